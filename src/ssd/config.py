@@ -1,0 +1,38 @@
+"""EngineConfig: which models, which mode, where they run."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("ar", "sd")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "qwen2.5-coder-1.5b"
+    draft: str | None = None
+    mode: str | None = None              # None: "sd" when a draft is given, else "ar"
+    k: int = 4                           # draft tokens per speculation round
+    device: str = "cpu"
+    draft_device: str | None = None      # default: same as device
+    threads: int | None = None           # CPU threads for torch (None: leave torch's default)
+    dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
+    max_model_len: int = 4096
+    kv_cache_gb: float = 1.0             # KV memory of the target; the draft gets the same number of slots
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode is None:
+            self.mode = "sd" if self.draft else "ar"
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode != "ar" and not self.draft:
+            raise ValueError(f"mode {self.mode!r} needs a draft model: pass draft=... (e.g. qwen2.5-coder-0.5b)")
+        if self.k < 1 or self.k > 16:
+            raise ValueError(f"k must be in [1, 16], got {self.k}")
+        if self.block_size < 1 or self.max_model_len < 2 or self.kv_cache_gb <= 0:
+            raise ValueError("block_size >= 1, max_model_len >= 2 and kv_cache_gb > 0 are required")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")

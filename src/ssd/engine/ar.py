@@ -1,0 +1,28 @@
+"""Autoregressive decoding: one target forward per token."""
+from __future__ import annotations
+
+import torch
+
+from ssd.engine.engine import prefill_and_sample
+from ssd.engine.model_runner import ForwardItem, ModelRunner
+from ssd.engine.sampling import sample_tokens
+from ssd.engine.sequence import Sequence
+
+
+class ARStep:
+    def __init__(self, target: ModelRunner):
+        self.target = target
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        prefill_and_sample(self.target, seqs)
+
+    def decode(self, seqs: list[Sequence]) -> None:
+        """Each sequence's last token is not cached yet: feed it, sample the next."""
+        items = [ForwardItem(s.seq_id, s.all_token_ids[-1:], len(s) - 1) for s in seqs]
+        logits = torch.cat(self.target.forward(items))
+        bm = self.target.block_manager
+        for seq, tok in zip(seqs, sample_tokens(logits, seqs)):
+            seq.spec.record(0, 0)
+            seq.append_tokens([tok])
+            if not seq.finished:
+                bm.commit(seq.seq_id, seq.all_token_ids[:-1])

@@ -1,0 +1,132 @@
+"""LLMEngine: requests in, token deltas out. One step = one prefill batch or one decode round of
+the configured mode (AR, SD)."""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ssd.engine.model_runner import ForwardItem, ModelRunner
+from ssd.engine.sampling import sample_tokens
+from ssd.engine.scheduler import Scheduler
+from ssd.engine.sequence import Sequence
+from ssd.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_text: str
+    new_token_ids: list[int]
+
+
+class LLMEngine:
+    def __init__(self, target: ModelRunner, tokenizer, eos_token_ids: list[int], max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, draft: ModelRunner | None = None,
+                 mode: str = "ar", k: int = 4):
+        from ssd.engine.ar import ARStep
+        from ssd.engine.sd import SDStep
+
+        self.target, self.draft = target, draft
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.mode = mode
+        if mode == "ar":
+            self.step_impl = ARStep(target)
+            managers, lookahead = [target.block_manager], 1
+        elif mode == "sd":
+            if draft is None:
+                raise ValueError("mode 'sd' needs a draft model (draft=...)")
+            self.step_impl = SDStep(target, draft, k)
+            managers, lookahead = [target.block_manager, draft.block_manager], k + 1
+        else:
+            raise ValueError(f"unknown mode {mode!r}; choose ar or sd")
+        self.scheduler = Scheduler(managers, max_num_seqs, max_num_batched_tokens, lookahead)
+        self._ids = itertools.count()
+        self.seqs: dict[str, Sequence] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> Sequence:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but max_model_len is {self.max_model_len}: shorten the prompt "
+                f"or raise max_model_len (at most the model's context length)")
+        vocab = self.target.model.cfg.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        longest = min(n + params.max_tokens, self.max_model_len) + self.scheduler.lookahead
+        for m in self.scheduler.managers:
+            if m.blocks_needed(longest) > m.num_blocks:
+                raise PromptTooLongError(
+                    f"the request needs up to {longest} tokens of KV cache but the cache holds "
+                    f"{m.num_blocks * m.block_size}: lower max_tokens or give the engine more KV memory "
+                    "(kv_cache_gb)")
+        if request_id in self.seqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        seq = Sequence(next(self._ids), request_id, prompt_token_ids, params, self.tokenizer,
+                       self.eos_token_ids, self.max_model_len, prompt)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            seq._finish("abort")
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if sched.prefill:
+            self.step_impl.prefill(sched.prefill)
+            touched = sched.prefill
+        elif sched.decode:
+            self.step_impl.decode(sched.decode)
+            touched = sched.decode
+        else:
+            touched = []
+        outs = []
+        for seq in touched:
+            text, toks = seq.take_pending()
+            if seq.finished:
+                self.scheduler.finish(seq)
+                self.seqs.pop(seq.request_id, None)
+            if toks or seq.finished:
+                outs.append(StepOutput(seq, text, toks))
+        return outs
+
+
+def prefill(runner: ModelRunner, seqs: list[Sequence], which: int, num_logits: int = 1) -> list[torch.Tensor]:
+    """Feed every sequence's uncached tokens (cache `which` of seq.num_cached) through `runner`."""
+    items = []
+    for seq in seqs:
+        toks = seq.all_token_ids
+        c = seq.num_cached[which]
+        items.append(ForwardItem(seq.seq_id, toks[c:], c, num_logits))
+    out = runner.forward(items)
+    for seq in seqs:
+        runner.block_manager.commit(seq.seq_id, seq.all_token_ids)
+    return out
+
+
+def prefill_and_sample(target: ModelRunner, seqs: list[Sequence]) -> None:
+    logits = torch.cat(prefill(target, seqs, 0))
+    for seq, tok in zip(seqs, sample_tokens(logits, seqs)):
+        seq.append_tokens([tok])

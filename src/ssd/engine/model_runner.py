@@ -1,0 +1,66 @@
+"""Runs one model over a paged KV cache: packs a ragged batch, builds attention metadata once,
+and returns logits only for the rows the caller needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ssd.engine.block_manager import BlockManager
+from ssd.layers.attention import AttentionMetadata
+from ssd.models.decoder import DecoderModel
+
+
+@dataclass
+class ForwardItem:
+    """New tokens of one sequence. `start` = position of tokens[0] (tokens before it are cached);
+    logits are returned for the last `num_logits` tokens."""
+
+    seq_id: int
+    tokens: list[int]
+    start: int
+    num_logits: int = 1
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device):
+        self.model = model
+        self.device = device
+        cfg = model.cfg
+        self.block_manager = BlockManager(num_blocks, block_size)
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=device),
+                           torch.zeros(shape, dtype=model.dtype, device=device)) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_token(model: DecoderModel) -> int:
+        cfg = model.cfg
+        itemsize = torch.empty(0, dtype=model.dtype).element_size()
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        """-> one [num_logits, vocab] float32 tensor per item. The block manager must already hold
+        room for every token (allocate/append done by the caller)."""
+        bm = self.block_manager
+        tokens, positions, logit_rows = [], [], []
+        row = 0
+        for it in items:
+            n = len(it.tokens)
+            if it.start + n > bm.num_tokens(it.seq_id):
+                raise RuntimeError(f"sequence {it.seq_id}: no KV room reserved for positions "
+                                   f"[{it.start}, {it.start + n})")
+            tokens.extend(it.tokens)
+            positions.extend(range(it.start, it.start + n))
+            logit_rows.extend(range(row + n - it.num_logits, row + n))
+            row += n
+        meta = AttentionMetadata.build(
+            [len(it.tokens) for it in items], [it.start + len(it.tokens) for it in items],
+            [bm.block_table(it.seq_id) for it in items], bm.block_size, self.device)
+        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(t, pos, meta, self.kv_caches)
+        if not logit_rows:
+            return [hidden.new_zeros(0, self.model.cfg.vocab_size) for _ in items]
+        logits = self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])
+        return list(logits.split([it.num_logits for it in items]))

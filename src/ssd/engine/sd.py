@@ -1,0 +1,96 @@
+"""Speculative decoding: the draft proposes up to K tokens per sequence, the target verifies them
+in one forward, and the verifier keeps the target's exact distribution."""
+from __future__ import annotations
+
+import torch
+
+from ssd.engine.engine import prefill, prefill_and_sample
+from ssd.engine.model_runner import ForwardItem, ModelRunner
+from ssd.engine.sampling import probs_for
+from ssd.engine.sequence import Sequence
+from ssd.layers.sampler import sample
+from ssd.speculation.verify import verify_with_generators
+
+
+class SDStep:
+    def __init__(self, target: ModelRunner, draft: ModelRunner, k: int):
+        if k < 1:
+            raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+        self.target, self.draft, self.k = target, draft, k
+        self.vocab = target.model.cfg.vocab_size
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        prefill(self.draft, seqs, 1, num_logits=0)
+        for seq in seqs:
+            seq.draft_cached = len(seq)
+        prefill_and_sample(self.target, seqs)
+
+    def propose(self, seqs: list[Sequence], k_eff: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Draft up to k_eff[b] tokens for each sequence, batched across sequences.
+        Returns proposed tokens and the proposal distributions they were sampled from."""
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for j in range(max(k_eff, default=0)):
+            active = [b for b, s in enumerate(seqs) if k_eff[b] > j]
+            if not active:
+                break
+            items = []
+            for b in active:
+                s = seqs[b]
+                if j == 0:
+                    items.append(ForwardItem(s.seq_id, s.all_token_ids[s.draft_cached:], s.draft_cached))
+                else:
+                    items.append(ForwardItem(s.seq_id, [tokens[b][-1]], len(s) + j - 1))
+            logits = align_vocab(torch.cat(self.draft.forward(items)), self.vocab)
+            act_seqs = [seqs[b] for b in active]
+            q = probs_for(logits, act_seqs)
+            drawn = sample(q, [s.generator for s in act_seqs]).tolist()
+            for row, b in enumerate(active):
+                tokens[b].append(drawn[row])
+                probs[b].append(q[row])
+        return tokens, [torch.stack(p) if p else None for p in probs]
+
+    def decode(self, seqs: list[Sequence]) -> None:
+        K = self.k
+        k_eff = [max(0, min(K, s.remaining_tokens() - 1)) for s in seqs]
+        drafts, qs = self.propose(seqs, k_eff)
+        items = [ForwardItem(s.seq_id, s.all_token_ids[-1:] + drafts[b], len(s) - 1, k_eff[b] + 1)
+                 for b, s in enumerate(seqs)]
+        logits = self.target.forward(items)
+        B, V = len(seqs), logits[0].shape[-1]
+        kmax = max(max(k_eff), 1)
+        p = torch.zeros(B, kmax + 1, V)
+        q = torch.zeros(B, kmax, V)
+        d = torch.zeros(B, kmax, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            n = k_eff[b]
+            p[b, :n + 1] = probs_for(logits[b], [s] * (n + 1))
+            if n:
+                q[b, :n] = qs[b]
+                d[b, :n] = torch.tensor(drafts[b])
+        res = verify_with_generators(p, q, d, [s.generator for s in seqs], torch.tensor(k_eff))
+        for b, s in enumerate(seqs):
+            n = int(res.accepted_len[b])
+            L = len(s)
+            fed_end = L + k_eff[b] - 1 if k_eff[b] else s.draft_cached
+            s.draft_cached = min(L + n, fed_end)
+            kept = s.all_token_ids + drafts[b][:n]
+            tbm, dbm = self.target.block_manager, self.draft.block_manager
+            tbm.rollback(s.seq_id, tbm.num_tokens(s.seq_id) - (L + n))
+            dbm.rollback(s.seq_id, dbm.num_tokens(s.seq_id) - s.draft_cached)
+            tbm.commit(s.seq_id, kept)
+            dbm.commit(s.seq_id, kept[:s.draft_cached])
+            s.spec.record(k_eff[b], n)
+            s.append_tokens(drafts[b][:n] + [int(res.bonus_token[b])])
+
+
+def align_vocab(draft_logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits over the target's vocabulary: extra (padding) rows are dropped, missing ones get
+    -inf, so the draft samples only tokens both models share and q is exactly what was sampled."""
+    n = draft_logits.shape[-1]
+    if n == vocab:
+        return draft_logits
+    if n > vocab:
+        return draft_logits[..., :vocab]
+    pad = draft_logits.new_full((*draft_logits.shape[:-1], vocab - n), float("-inf"))
+    return torch.cat([draft_logits, pad], dim=-1)

@@ -1,0 +1,74 @@
+"""Attention over a paged KV cache for a ragged batch of sequences.
+
+The batch is packed: T new tokens from B sequences, sequence b owning rows
+[query_start[b], query_start[b] + query_len[b]). Each new token's K/V is written to its slot in the
+cache, then every sequence attends over all of its cached positions (prefix + new tokens) with a
+causal mask. Gathers and masks are built once per forward (`AttentionMetadata`) and shared by all
+layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor   # [T] cache slot for each new token
+    gather_slots: torch.Tensor   # [B, L] cache slots of each sequence's context (padded with slot 0)
+    pad_index: torch.Tensor      # [B, Q] packed row of each padded query (padded with row 0)
+    unpad_index: torch.Tensor    # [T] flat index into [B*Q] of each packed row
+    mask: torch.Tensor | None    # [B, 1, Q, L] True = attend; None when no masking is needed
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device) -> "AttentionMetadata":
+        """context_lens[b] = number of cached tokens after this step (prefix + query_lens[b])."""
+        B, Q, L = len(query_lens), max(query_lens), max(context_lens)
+        offsets = torch.arange(block_size)
+        gather = torch.zeros(B, L, dtype=torch.long)
+        pad = torch.zeros(B, Q, dtype=torch.long)
+        slot_parts, unpad_parts = [], []
+        row = 0
+        for b, (q, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+            nblk = (ctx + block_size - 1) // block_size
+            slots = (torch.tensor(table[:nblk]).unsqueeze(1) * block_size + offsets).reshape(-1)[:ctx]
+            gather[b, :ctx] = slots
+            slot_parts.append(slots[ctx - q:])
+            pad[b, :q] = torch.arange(row, row + q)
+            unpad_parts.append(torch.arange(b * Q, b * Q + q))
+            row += q
+        mask = None
+        if Q > 1 or any(c != L for c in context_lens):
+            ctx_t = torch.tensor(context_lens, device=device).view(B, 1, 1)
+            ql_t = torch.tensor(query_lens, device=device).view(B, 1, 1)
+            qi = torch.arange(Q, device=device).view(1, Q, 1)
+            kj = torch.arange(L, device=device).view(1, 1, L)
+            qpos = ctx_t - ql_t + qi                    # absolute position of each query
+            mask = (kj <= qpos) & (kj < ctx_t)
+            mask = mask | (kj == 0)                     # padded query rows still see one key (no NaN)
+            mask = mask.unsqueeze(1)
+        return cls(
+            slot_mapping=torch.cat(slot_parts).to(device),
+            gather_slots=gather.to(device),
+            pad_index=pad.to(device),
+            unpad_index=torch.cat(unpad_parts).to(device),
+            mask=mask,
+        )
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    B, Q = meta.pad_index.shape
+    T, H, D = q.shape
+    qp = q[meta.pad_index].transpose(1, 2)                       # [B, H, Q, D]
+    kp = k_cache[meta.gather_slots].transpose(1, 2)              # [B, Hkv, L, D]
+    vp = v_cache[meta.gather_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale,
+                                         enable_gqa=kp.shape[1] != H)
+    return out.transpose(1, 2).reshape(B * Q, H, D)[meta.unpad_index]

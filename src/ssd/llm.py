@@ -1,0 +1,156 @@
+"""The public facade: LLM(...).generate / stream / chat."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from ssd.config import EngineConfig
+from ssd.engine.engine import LLMEngine
+from ssd.engine.model_runner import ModelRunner
+from ssd.models.loader import LoadedModel, load_model
+from ssd.outputs import RequestMetrics, RequestOutput, StreamChunk, aggregate
+from ssd.sampling_params import SamplingParams
+from ssd.speculation.compat import check_vocab_compatible
+
+log = logging.getLogger(__name__)
+
+Messages = list[dict]
+
+
+class LLM:
+    """LLM(model="qwen2.5-coder-1.5b", draft=None, mode="ar"|"sd", k=4, device="cpu", threads=None, ...)
+
+    `model`/`draft` accept a built-in name (see `ssd models list`), an HF folder, a GGUF file or a hub id.
+    """
+
+    def __init__(self, model: str = "qwen2.5-coder-1.5b", draft: str | None = None, **kwargs):
+        self.config = cfg = EngineConfig(model=model, draft=draft, **kwargs)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.target = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.progress)
+        self.tokenizer = self.target.tokenizer
+        mcfg = self.target.config
+        self.max_model_len = min(cfg.max_model_len, mcfg.max_position_embeddings)
+        target_runner = self._runner(self.target, cfg.device, None)
+        draft_runner = None
+        self.draft = None
+        if cfg.mode != "ar":
+            self.draft = load_model(cfg.draft, cfg.dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
+                                    cfg.progress)
+            check_vocab_compatible(self.tokenizer, self.draft.tokenizer, mcfg.vocab_size,
+                                   self.draft.config.vocab_size)
+            draft_runner = self._runner(self.draft, cfg.draft_device or cfg.device,
+                                        target_runner.block_manager.num_blocks)
+        eos = list(mcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        self.engine = LLMEngine(target_runner, self.tokenizer, eos, self.max_model_len, cfg.max_num_seqs,
+                                cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k)
+
+    def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None) -> ModelRunner:
+        bs = self.config.block_size
+        if num_blocks is None:
+            per_token = ModelRunner.kv_bytes_per_token(loaded.model)
+            num_blocks = max(int(self.config.kv_cache_gb * 2**30 // (per_token * bs)), 2)
+        return ModelRunner(loaded.model, num_blocks, bs, torch.device(device))
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send plain prompts instead")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.encode(p) for p in prompts]
+        return self._run(ids, [p if isinstance(p, str) else None for p in prompts], sampling_params, use_tqdm)
+
+    def chat(self, conversations: Messages | list[Messages],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.encode_chat(c) for c in conversations]
+        return self._run(ids, [None] * len(ids), sampling_params, use_tqdm)
+
+    def _run(self, ids: list[list[int]], texts: list[str | None], params, use_tqdm: bool) -> list[RequestOutput]:
+        plist = self._params_list(params, len(ids))
+        rids = []
+        try:
+            for i, (tok, text, p) in enumerate(zip(ids, texts, plist)):
+                rid = f"gen-{uuid.uuid4().hex[:12]}"
+                self.engine.add_request(rid, tok, p, text)
+                rids.append(rid)
+        except Exception:
+            for rid in rids:
+                self.engine.abort(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(rids), desc="generating", unit="req")
+        t0 = time.perf_counter()
+        while len(results) < len(rids):
+            for out in self.engine.step():
+                if out.seq.finished and out.seq.request_id in rids:
+                    results[out.seq.request_id] = self._output(out.seq)
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        self.last_stats = aggregate(list(results.values()), time.perf_counter() - t0)
+        return [results[r] for r in rids]
+
+    def stream(self, prompt: str | list[int] | Messages,
+               sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Yield text/token deltas as they are committed. Closing the iterator aborts the request."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            ids, text = self.encode_chat(prompt), None
+        else:
+            ids, text = self.encode(prompt), prompt if isinstance(prompt, str) else None
+        params = self._params_list(sampling_params, 1)[0]
+        rid = f"stream-{uuid.uuid4().hex[:12]}"
+        self.engine.add_request(rid, ids, params, text)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.seq.request_id != rid:
+                        continue
+                    done = out.seq.finished
+                    yield StreamChunk(rid, out.new_text, out.new_token_ids, done, out.seq.finish_reason,
+                                      self._output(out.seq) if done else None)
+        finally:
+            if not done:
+                self.engine.abort(rid)
+
+    @staticmethod
+    def _params_list(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    @staticmethod
+    def _output(seq) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.detok.text,
+                             list(seq.output_token_ids), seq.finish_reason, RequestMetrics.of(seq), seq.spec)

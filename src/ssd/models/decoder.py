@@ -1,0 +1,93 @@
+"""One decoder for the Llama / Qwen2 / Qwen3 families (config switches: q/k/v bias, q/k RMSNorm,
+tied embeddings, Llama-3 rope scaling). Works on a packed batch of new tokens over a paged KV cache."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ssd.layers.attention import AttentionMetadata, paged_attention
+from ssd.layers.linear import Linear
+from ssd.layers.norm import RMSNorm
+from ssd.layers.rotary import RotaryEmbedding
+from ssd.models.config import ModelConfig
+
+# (name) -> tensor; raises KeyError naming the missing tensor
+WeightGetter = Callable[[str], torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, get: WeightGetter, make_linear: Callable):
+        super().__init__()
+        p = f"model.layers.{i}."
+        bias = (lambda n: get(p + n + ".bias")) if cfg.attention_bias else (lambda n: None)
+        a = p + "self_attn."
+        # q, k and v share one GEMM (one weight read per token instead of three).
+        qkv_w = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+        qkv_b = torch.cat([bias("self_attn.q_proj"), bias("self_attn.k_proj"), bias("self_attn.v_proj")]) \
+            if cfg.attention_bias else None
+        self.qkv = make_linear(qkv_w, qkv_b)
+        self.o_proj = make_linear(get(a + "o_proj.weight"), None)
+        self.gate_up = make_linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None)
+        self.down = make_linear(get(p + "mlp.down_proj.weight"), None)
+        self.input_norm = RMSNorm(get(p + "input_layernorm.weight"), cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(get(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(get(a + "q_norm.weight"), cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(get(a + "k_norm.weight"), cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.ffn = cfg.intermediate_size
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        qkv = self.qkv(self.input_norm(x))
+        q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        x = x + self.o_proj(attn.reshape(T, self.h * self.d))
+        gate, up = self.gate_up(self.post_norm(x)).split([self.ffn, self.ffn], dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+class DecoderModel(nn.Module):
+    """forward(tokens [T], positions [T], meta, kv caches) -> hidden [T, hidden]; logits(hidden) -> [N, vocab]."""
+
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, packed_fp16: bool,
+                 max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = torch.float32 if packed_fp16 else dtype
+        make_linear = lambda w, b: Linear(w, b, packed_fp16, self.dtype)  # noqa: E731
+        embed = get("model.embed_tokens.weight")
+        if embed.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"embed_tokens has shape {tuple(embed.shape)}, config says "
+                             f"({cfg.vocab_size}, {cfg.hidden_size}): the weights do not match config.json")
+        # The embedding table is only gathered from, so it stays compact (bf16/fp16) on the CPU path.
+        self.embed = nn.Parameter(embed.to(dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, get, make_linear) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(get("model.norm.weight").to(self.dtype), cfg.rms_norm_eps)
+        head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+        self.lm_head = make_linear(head, None)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, self.dtype)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.data = m.weight.data.to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = self.embed[tokens].to(self.dtype)
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kc, vc, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights read by one decode step (the memory-bandwidth bound's numerator)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return sum(m.weight_bytes() for m in linears) + self.cfg.hidden_size * self.embed.element_size()

@@ -1,0 +1,99 @@
+"""Load a model (HF folder, hub id, GGUF file or a built-in name) into our decoder."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ssd.layers.linear import fbgemm_fp16_available
+from ssd.models.config import ModelConfig
+from ssd.models.decoder import DecoderModel
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderModel
+    config: ModelConfig
+    tokenizer: object
+    path: Path
+    dtype_name: str
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, bool]:
+    """-> (storage dtype, use FBGEMM packed fp16). 'auto' = fp16 weights via FBGEMM on CPU, bf16 on CUDA."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else ("float16" if fbgemm_fp16_available() else "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
+    td = DTYPES[dtype]
+    packed = device.type == "cpu" and td == torch.float16
+    if packed and not fbgemm_fp16_available():
+        raise ValueError("dtype float16 on CPU needs PyTorch's FBGEMM backend, which this build lacks; "
+                         "use dtype float32 or bfloat16")
+    return td, packed
+
+
+class SafetensorsWeights:
+    """Name -> tensor over all *.safetensors files in a folder, loaded lazily."""
+
+    def __init__(self, folder: Path):
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {folder}; an HF model folder needs "
+                                    "config.json, *.safetensors and tokenizer files")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        h = self._where.get(name)
+        if h is None:
+            raise KeyError(f"weight {name!r} is missing from the checkpoint")
+        return h.get_tensor(name)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
+               max_positions: int | None = None, progress: bool = True) -> LoadedModel:
+    from ssd.models.registry import resolve_model
+
+    device = torch.device(device)
+    path = resolve_model(str(spec), progress=progress)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path} has no config.json; it is not an HF model folder")
+    cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    td, packed = resolve_dtype(dtype, device)
+    t0 = time.perf_counter()
+    get = SafetensorsWeights(path)
+    max_pos = max_positions or cfg.max_position_embeddings
+    with torch.device(device) if device.type != "cpu" else _nullctx():
+        model = DecoderModel(cfg, lambda n: get(n).to(device), td, packed, max_pos)
+    model.eval()
+    tok = load_tokenizer(path)
+    name = "float16 (FBGEMM, fp32 activations)" if packed else str(td).replace("torch.", "")
+    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", path.name, cfg.architecture, cfg.num_layers,
+             name, device, time.perf_counter() - t0)
+    return LoadedModel(model, cfg, tok, path, name)
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

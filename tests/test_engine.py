@@ -1,0 +1,165 @@
+"""End-to-end engine behaviour on tiny random models with a real (char-level) tokenizer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssd import LLM, SamplingParams
+from ssd.engine.engine import PromptTooLongError
+
+from conftest import make_char_tokenizer, make_tiny_hf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = ["hello world", "abc", "def f(x):\n    return", "z" * 37, "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def ar(tiny_pair):
+    return LLM(str(tiny_pair[0]), dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(ar):
+    return [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_greedy_equals_transformers_generate(kind, tmp_path):
+    hf = make_tiny_hf(kind, tmp_path)
+    make_char_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", progress=False)
+    for prompt in PROMPTS[:3]:
+        ids = llm.encode(prompt)
+        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=24, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+        assert llm.generate(ids, GREEDY)[0].token_ids == ref
+
+
+def test_batched_mixed_lengths_equal_one_at_a_time(ar, ar_outputs):
+    singles = [ar.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+    assert singles == ar_outputs
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("draft", ["other", "self"])
+def test_sd_greedy_equals_ar(tiny_pair, ar_outputs, k, draft):
+    target, other = tiny_pair
+    sd = LLM(str(target), draft=str(other if draft == "other" else target), k=k, dtype="float32", progress=False)
+    outs = sd.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_outputs
+    rate = sd.last_stats["acceptance_rate"]
+    assert (rate == 1.0) if draft == "self" else (rate < 0.5)
+
+
+def test_seed_reproducible_regardless_of_batch_mates(ar):
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = ar.generate("hello", p)[0].token_ids
+    mates = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2)]
+    batched = ar.generate(["xyz", "hello", "abcdef"], [mates[0], p, mates[1]])
+    assert batched[1].token_ids == alone
+    other = ar.generate("hello", SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))
+    assert other[0].token_ids != alone
+
+
+def test_seed_reproducible_in_sd(tiny_pair):
+    target, draft = tiny_pair
+    sd = LLM(str(target), draft=str(draft), k=3, dtype="float32", progress=False)
+    p = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    a = sd.generate(["hello", "abc"], p)
+    b = sd.generate(["abc", "hello"], p)
+    assert a[0].token_ids == b[1].token_ids and a[1].token_ids == b[0].token_ids
+
+
+def test_stop_conditions(ar, ar_outputs):
+    full = ar.generate(PROMPTS[0], GREEDY)[0]
+    # stop token id: the 5th generated token
+    stop_id = full.token_ids[4]
+    first = full.token_ids.index(stop_id)
+    out = ar.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:first + 1]
+    # stop string: cut the text before it
+    stop = full.text[6:8]
+    out = ar.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and stop not in out.text and full.text.startswith(out.text)
+    assert len(out.text) == full.text.find(stop)
+    out = ar.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.token_ids == full.token_ids[:3]
+
+
+def test_stream_yields_deltas_that_add_up(ar):
+    full = ar.generate(PROMPTS[2], GREEDY)[0]
+    chunks = list(ar.stream(PROMPTS[2], GREEDY))
+    assert "".join(c.text for c in chunks) == full.text
+    assert [t for c in chunks for t in c.token_ids] == full.token_ids
+    assert chunks[-1].finished and chunks[-1].output.token_ids == full.token_ids
+
+
+def test_stream_close_frees_blocks(ar):
+    bm = ar.engine.target.block_manager
+    free = bm.num_free_blocks
+    it = ar.stream("hello there", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(it)
+    next(it)
+    it.close()
+    assert bm.num_free_blocks == free and not ar.engine.has_unfinished()
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(ar):
+    prompt = "a long shared system prompt that spans several blocks of sixteen tokens: "
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = ar.generate(prompt + "one", p)[0]
+    bm = ar.engine.target.block_manager
+    hits = bm.stats()
+    again = ar.generate(prompt + "one", p)[0]
+    assert again.token_ids == first.token_ids
+    assert bm.stats() != hits  # the second prefill found cached blocks
+
+
+def test_preemption_keeps_outputs_exact(tiny_pair, ar_outputs):
+    # a KV cache so small that the five requests cannot all run at once
+    small = LLM(str(tiny_pair[0]), dtype="float32", progress=False, kv_cache_gb=96 * 2 * 2 * 2 * 16 * 4 / 2**30,
+                block_size=4)
+    outs = small.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert small.engine.scheduler.num_preemptions > 0
+    bm = small.engine.target.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_chat_template(ar):
+    out = ar.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
+    assert ar.encode_chat([{"role": "user", "content": "hi"}]) == ar.encode("u:hi\na:")
+    assert len(out.token_ids) == 24
+
+
+def test_bad_inputs_have_clear_errors(ar, tiny_pair, tmp_path):
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
+        ar.generate("x" * 5000, GREEDY)
+    with pytest.raises(ValueError, match="temperature must be in"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LLM(str(tiny_pair[0]), mode="sd", progress=False)
+    with pytest.raises(ValueError, match="unknown mode"):
+        LLM(str(tiny_pair[0]), mode="fast", progress=False)
+    with pytest.raises(ValueError, match="empty"):
+        ar.generate([[]], GREEDY)
+    assert not ar.engine.has_unfinished()
+
+
+def test_vocab_mismatch_is_refused(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    from ssd.speculation.compat import VocabMismatchError
+
+    make_tiny_hf("qwen2", tmp_path, seed=3)
+    tok = make_char_tokenizer(tmp_path)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(str(tmp_path))
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path))) > len(AutoTokenizer.from_pretrained(str(tiny_pair[0])))
+    with pytest.raises(VocabMismatchError, match="tokenizers differ"):
+        LLM(str(tiny_pair[0]), draft=str(tmp_path), progress=False)
