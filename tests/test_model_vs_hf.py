@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from ssd.layers.attention import AttentionMetadata
+from ssd.layers.attention import AttentionMetadata, block_slots
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderModel
 from ssd.models.loader import SafetensorsWeights
@@ -25,7 +25,7 @@ def run_chunks(model, tokens: list[int], chunks: list[int], block_size: int = 4)
            torch.zeros(nblocks * block_size, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
     outs, start = [], 0
     for n in chunks:
-        meta = AttentionMetadata.build([n], [start + n], [table], block_size, torch.device("cpu"))
+        meta = AttentionMetadata.build([n], [block_slots(table, block_size, start + n)], torch.device("cpu"))
         t = torch.tensor(tokens[start:start + n])
         pos = torch.arange(start, start + n)
         outs.append(model.logits(model(t, pos, meta, kv)))
@@ -56,7 +56,8 @@ def test_ragged_batch_equals_single_sequences(tiny_hf):
     kv = [(torch.zeros(64 * bs, cfg.num_kv_heads, cfg.head_dim),
            torch.zeros(64 * bs, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
     tables = [list(range(0, 10)), list(range(30, 40)), list(range(50, 60))]
-    meta = AttentionMetadata.build([len(s) for s in seqs], [len(s) for s in seqs], tables, bs, torch.device("cpu"))
+    meta = AttentionMetadata.build([len(s) for s in seqs], [block_slots(t, bs, len(s)) for t, s in zip(tables, seqs)],
+                                   torch.device("cpu"))
     t = torch.tensor([x for s in seqs for x in s])
     pos = torch.cat([torch.arange(len(s)) for s in seqs])
     out = ours.logits(ours(t, pos, meta, kv)).split([len(s) for s in seqs])

@@ -103,6 +103,123 @@ def cmd_models(args) -> int:
     return 0
 
 
+# ---- ssd chat ------------------------------------------------------------------------------------
+def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | None = None,
+              show_metrics: bool = False) -> int:
+    """Multi-turn chat on stdin/stdout: each line is a user message, the answer streams back.
+    Ctrl-C stops the current answer (the session goes on); /exit, /quit or end of input quits;
+    /reset clears the history."""
+    import signal
+    import threading
+
+    stdin, out, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    interactive = stdin is sys.stdin and stdin.isatty()
+    system_msgs = [{"role": "system", "content": system}] if system else []
+    messages = list(system_msgs)
+    err.write("ssd chat: /exit or Ctrl-D quits, /reset clears the history, Ctrl-C stops an answer\n")
+    while True:
+        try:
+            line = input("> ") if interactive else stdin.readline()
+        except EOFError:
+            line = ""
+        except KeyboardInterrupt:
+            err.write("\n(use /exit or Ctrl-D to quit)\n")
+            continue
+        if not line:                    # end of input
+            return 0
+        line = line.rstrip("\r\n")
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = list(system_msgs)
+            err.write("(history cleared)\n")
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        stop = threading.Event()
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            old = signal.signal(signal.SIGINT, lambda *_: stop.set())   # stop between steps, never mid-step
+        text, final = "", None
+        stream = llm.stream(messages, params)
+        try:
+            for chunk in stream:
+                out.write(chunk.text)
+                out.flush()
+                text += chunk.text
+                final = chunk.output or final
+                if stop.is_set():
+                    break
+        except KeyboardInterrupt:       # no handler installed (not the main thread)
+            stop.set()
+        except ValueError as e:         # e.g. the conversation no longer fits the context
+            messages.pop()
+            err.write(f"error: {e} (/reset starts over)\n")
+            continue
+        finally:
+            stream.close()              # aborts the request if it is still running
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+        out.write("\n[stopped]\n" if stop.is_set() else "\n")
+        out.flush()
+        messages.append({"role": "assistant", "content": text})
+        if show_metrics and final is not None:
+            hit = getattr(final.metrics, "cache_hit_rate", None)
+            err.write(f"[{llm.config.mode}] {format_metrics(final.metrics)} | cache hit rate "
+                      f"{'n/a' if hit is None else f'{hit:.2f}'} | finish: {final.finish_reason}\n")
+
+
+def cmd_chat(args) -> int:
+    params = _params(args)      # validate before loading models
+    llm = _llm(args)
+    return chat_repl(llm, params, system=args.system, show_metrics=args.metrics)
+
+
+def add_chat_parser(sub) -> None:
+    c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal (streams answers)")
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--metrics", action="store_true", help="print tokens/s, TTFT, acceptance and cache hit rate "
+                   "after each answer")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+
+# ---- ssd serve -----------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    import os
+
+    from ssd.server.app import build_app, make_server
+
+    api_key = args.api_key or os.environ.get("SSD_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logging.getLogger("ssd.server").warning(
+            "serving on %s without --api-key: anyone who can reach this address can use the model", args.host)
+    llm = _llm(args)
+    app = build_app(llm, served_name=args.served_model_name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    name = app.state.server.name
+    print(f"ssd serve: model '{name}' ({llm.config.mode}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    make_server(app, args.host, args.port, args.log_level).run()
+    return 0
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                       "/v1/models, /health, /metrics)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $SSD_API_KEY, else no key)")
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the "
+                   "model folder's or file's name)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level; info also logs each request (default %(default)s)")
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ssd", description="Exact LLM inference: autoregressive, speculative (SD) "
                                 "and speculative-speculative decoding.")
@@ -123,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("action", choices=["list", "fetch"])
     m.add_argument("names", nargs="*", help="models to fetch (default: the default target and draft)")
     m.set_defaults(func=cmd_models)
+
+    add_chat_parser(sub)
+    add_serve_parser(sub)
 
     from ssd.bench.cli import add_bench_parser
     add_bench_parser(sub, _engine_args)

@@ -37,8 +37,11 @@ class LLM:
         self.max_model_len = min(cfg.max_model_len, mcfg.max_position_embeddings)
         target_runner = self._runner(self.target, cfg.device, None)
         draft_runner = None
+        draft_client = None
         self.draft = None
-        if cfg.mode != "ar":
+        if cfg.mode == "ssd":
+            draft_client = self._start_worker(target_runner)
+        elif cfg.mode != "ar":
             self.draft = load_model(cfg.draft, cfg.dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
                                     cfg.progress)
             check_vocab_compatible(self.tokenizer, self.draft.tokenizer, mcfg.vocab_size,
@@ -49,7 +52,41 @@ class LLM:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.engine = LLMEngine(target_runner, self.tokenizer, eos, self.max_model_len, cfg.max_num_seqs,
-                                cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k)
+                                cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client)
+        self._client = draft_client
+
+    def _start_worker(self, target_runner: ModelRunner):
+        """Check the draft against the target, then start the SSD draft worker on its own cores."""
+        import json
+        import os
+
+        from ssd.engine.ssd import DraftClient
+        from ssd.models.loader import load_tokenizer
+        from ssd.models.registry import resolve_model
+
+        cfg = self.config
+        path = resolve_model(cfg.draft, progress=cfg.progress)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        check_vocab_compatible(self.tokenizer, load_tokenizer(path), self.target.config.vocab_size, vocab)
+        cores = cfg.draft_cores
+        if cores is None and cfg.draft_host is None and (os.cpu_count() or 1) > 1:
+            cores = [sorted(os.sched_getaffinity(0))[-1]]
+        return DraftClient(str(path), cfg.dtype, cfg.k, threads=cfg.draft_threads or 1, cores=cores,
+                           fanout_budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c, backup=cfg.backup,
+                           timeout_s=cfg.worker_timeout_s, num_blocks=target_runner.block_manager.num_blocks,
+                           block_size=cfg.block_size, max_model_len=self.max_model_len, listen=cfg.draft_host)
+
+    def close(self) -> None:
+        """Stop the draft worker (SSD). Also called at interpreter exit."""
+        if getattr(self, "_client", None) is not None:
+            self._client.close()
+            self._client = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None) -> ModelRunner:
         bs = self.config.block_size

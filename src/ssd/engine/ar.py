@@ -25,4 +25,6 @@ class ARStep:
             seq.spec.record(0, 0)
             seq.append_tokens([tok])
             if not seq.finished:
-                bm.commit(seq.seq_id, seq.all_token_ids[:-1])
+                done = len(seq) - 1          # everything but the new token is cached
+                bm.rollback(seq.seq_id, bm.num_tokens(seq.seq_id) - done)   # unused reserved slots
+                bm.commit(seq.seq_id, seq.all_token_ids[:done])

@@ -31,7 +31,7 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, target: ModelRunner, tokenizer, eos_token_ids: list[int], max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, draft: ModelRunner | None = None,
-                 mode: str = "ar", k: int = 4):
+                 mode: str = "ar", k: int = 4, draft_client=None):
         from ssd.engine.ar import ARStep
         from ssd.engine.sd import SDStep
 
@@ -48,9 +48,19 @@ class LLMEngine:
                 raise ValueError("mode 'sd' needs a draft model (draft=...)")
             self.step_impl = SDStep(target, draft, k)
             managers, lookahead = [target.block_manager, draft.block_manager], k + 1
+        elif mode == "ssd":
+            from ssd.engine.ssd import SSDStep
+
+            if draft_client is None:
+                raise ValueError("mode 'ssd' needs a draft worker")
+            self.step_impl = SSDStep(target, draft_client, k, self._degrade)
+            managers, lookahead = [target.block_manager], k + 1
         else:
-            raise ValueError(f"unknown mode {mode!r}; choose ar or sd")
+            raise ValueError(f"unknown mode {mode!r}; choose ar, sd or ssd")
+        self.degraded_from: str | None = None
         self.scheduler = Scheduler(managers, max_num_seqs, max_num_batched_tokens, lookahead)
+        if hasattr(self.step_impl, "release"):
+            self.scheduler.on_release = self.step_impl.release
         self._ids = itertools.count()
         self.seqs: dict[str, Sequence] = {}
 
@@ -87,6 +97,20 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             seq._finish("abort")
             self.scheduler.finish(seq)
+
+    def _degrade(self, error: BaseException) -> None:
+        """The draft worker failed: finish everything with exact local AR decoding."""
+        from ssd.engine.ar import ARStep
+
+        if self.degraded_from is not None:
+            return
+        log.error("draft worker failed (%s: %s); continuing every request with local autoregressive "
+                  "decoding (exact, slower)", type(error).__name__, error)
+        self.degraded_from = self.mode
+        self.mode = "ar"
+        self.step_impl = ARStep(self.target)
+        self.scheduler.lookahead = 1
+        self.scheduler.on_release = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

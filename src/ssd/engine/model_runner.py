@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ssd.engine.block_manager import BlockManager
-from ssd.layers.attention import AttentionMetadata
+from ssd.layers.attention import AttentionMetadata, block_slots
 from ssd.models.decoder import DecoderModel
 
 
@@ -20,6 +20,7 @@ class ForwardItem:
     tokens: list[int]
     start: int
     num_logits: int = 1
+    slots: torch.Tensor | None = None   # explicit context slots (len start+len(tokens)); default: block table
 
 
 class ModelRunner:
@@ -47,16 +48,17 @@ class ModelRunner:
         row = 0
         for it in items:
             n = len(it.tokens)
-            if it.start + n > bm.num_tokens(it.seq_id):
+            if it.slots is None and it.start + n > bm.num_tokens(it.seq_id):
                 raise RuntimeError(f"sequence {it.seq_id}: no KV room reserved for positions "
                                    f"[{it.start}, {it.start + n})")
             tokens.extend(it.tokens)
             positions.extend(range(it.start, it.start + n))
             logit_rows.extend(range(row + n - it.num_logits, row + n))
             row += n
-        meta = AttentionMetadata.build(
-            [len(it.tokens) for it in items], [it.start + len(it.tokens) for it in items],
-            [bm.block_table(it.seq_id) for it in items], bm.block_size, self.device)
+        ctx_slots = [it.slots if it.slots is not None else
+                     block_slots(bm.block_table(it.seq_id), bm.block_size, it.start + len(it.tokens))
+                     for it in items]
+        meta = AttentionMetadata.build([len(it.tokens) for it in items], ctx_slots, self.device)
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(t, pos, meta, self.kv_caches)
@@ -64,3 +66,9 @@ class ModelRunner:
             return [hidden.new_zeros(0, self.model.cfg.vocab_size) for _ in items]
         logits = self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])
         return list(logits.split([it.num_logits for it in items]))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the KV of cache slots src -> dst in every layer (reusing already computed entries)."""
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k[src])
+            v.index_copy_(0, dst, v[src])

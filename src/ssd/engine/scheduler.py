@@ -32,6 +32,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_release = None      # callback(seq) when a sequence leaves the running set
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -78,6 +79,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         for m in self.managers:
             m.free(seq.seq_id)
+        if self.on_release:
+            self.on_release(seq)
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -91,5 +94,7 @@ class Scheduler:
                 m.free(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
+            if self.on_release:
+                self.on_release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -51,38 +51,52 @@ class SDStep:
         return tokens, [torch.stack(p) if p else None for p in probs]
 
     def decode(self, seqs: list[Sequence]) -> None:
-        K = self.k
-        k_eff = [max(0, min(K, s.remaining_tokens() - 1)) for s in seqs]
+        k_eff = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
         drafts, qs = self.propose(seqs, k_eff)
-        items = [ForwardItem(s.seq_id, s.all_token_ids[-1:] + drafts[b], len(s) - 1, k_eff[b] + 1)
-                 for b, s in enumerate(seqs)]
-        logits = self.target.forward(items)
-        B, V = len(seqs), logits[0].shape[-1]
-        kmax = max(max(k_eff), 1)
-        p = torch.zeros(B, kmax + 1, V)
-        q = torch.zeros(B, kmax, V)
-        d = torch.zeros(B, kmax, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            n = k_eff[b]
-            p[b, :n + 1] = probs_for(logits[b], [s] * (n + 1))
-            if n:
-                q[b, :n] = qs[b]
-                d[b, :n] = torch.tensor(drafts[b])
-        res = verify_with_generators(p, q, d, [s.generator for s in seqs], torch.tensor(k_eff))
-        for b, s in enumerate(seqs):
-            n = int(res.accepted_len[b])
-            L = len(s)
-            fed_end = L + k_eff[b] - 1 if k_eff[b] else s.draft_cached
+        lens = [len(s) for s in seqs]
+        accepted = verify_and_commit(self.target, seqs, drafts, qs)
+        dbm = self.draft.block_manager
+        for s, L, n, d, k in zip(seqs, lens, accepted, drafts, k_eff):
+            fed_end = L + k - 1 if k else s.draft_cached
             s.draft_cached = min(L + n, fed_end)
-            kept = s.all_token_ids + drafts[b][:n]
-            tbm, dbm = self.target.block_manager, self.draft.block_manager
-            tbm.rollback(s.seq_id, tbm.num_tokens(s.seq_id) - (L + n))
             dbm.rollback(s.seq_id, dbm.num_tokens(s.seq_id) - s.draft_cached)
-            tbm.commit(s.seq_id, kept)
-            dbm.commit(s.seq_id, kept[:s.draft_cached])
-            s.spec.record(k_eff[b], n)
-            s.append_tokens(drafts[b][:n] + [int(res.bonus_token[b])])
+            dbm.commit(s.seq_id, (s.all_token_ids[:L] + d[:n])[:s.draft_cached])
 
+
+def verify_and_commit(target: ModelRunner, seqs: list[Sequence], drafts: list[list[int]],
+                      qs: list[torch.Tensor | None]) -> list[int]:
+    """Verify each sequence's proposal in one target forward, commit accepted tokens + bonus, roll the
+    target cache back to what was accepted. qs[b] is the distribution drafts[b] was sampled from
+    ([k, V]); None means a deterministic proposal (one-hot q). Returns accepted lengths."""
+    items = [ForwardItem(s.seq_id, s.all_token_ids[-1:] + d, len(s) - 1, len(d) + 1) for s, d in zip(seqs, drafts)]
+    logits = target.forward(items)
+    B, V = len(seqs), logits[0].shape[-1]
+    kmax = max(max(len(d) for d in drafts), 1)
+    p = torch.zeros(B, kmax + 1, V)
+    q = torch.zeros(B, kmax, V)
+    d_t = torch.zeros(B, kmax, dtype=torch.long)
+    for b, (s, d) in enumerate(zip(seqs, drafts)):
+        n = len(d)
+        p[b, :n + 1] = probs_for(logits[b], [s] * (n + 1))
+        if n:
+            d_t[b, :n] = torch.tensor(d)
+            if qs[b] is not None:
+                q[b, :n] = qs[b][:, :V]
+            else:
+                q[b, torch.arange(n), d_t[b, :n]] = 1.0
+    num = torch.tensor([len(d) for d in drafts])
+    res = verify_with_generators(p, q, d_t, [s.generator for s in seqs], num)
+    tbm = target.block_manager
+    accepted = []
+    for b, s in enumerate(seqs):
+        n = int(res.accepted_len[b])
+        L = len(s)
+        tbm.rollback(s.seq_id, tbm.num_tokens(s.seq_id) - (L + n))
+        tbm.commit(s.seq_id, s.all_token_ids + drafts[b][:n])
+        s.spec.record(len(drafts[b]), n)
+        s.append_tokens(drafts[b][:n] + [int(res.bonus_token[b])])
+        accepted.append(n)
+    return accepted
 
 def align_vocab(draft_logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """Draft logits over the target's vocabulary: extra (padding) rows are dropped, missing ones get

@@ -14,6 +14,14 @@ import torch
 import torch.nn.functional as F
 
 
+def block_slots(block_table: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """Cache slots of positions [0, num_tokens) of a sequence with this block table."""
+    nblk = (num_tokens + block_size - 1) // block_size
+    offsets = torch.arange(block_size)
+    return (torch.tensor(block_table[:nblk], dtype=torch.long).unsqueeze(1) * block_size + offsets).reshape(-1)[
+        :num_tokens]
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor   # [T] cache slot for each new token
@@ -23,18 +31,18 @@ class AttentionMetadata:
     mask: torch.Tensor | None    # [B, 1, Q, L] True = attend; None when no masking is needed
 
     @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device) -> "AttentionMetadata":
-        """context_lens[b] = number of cached tokens after this step (prefix + query_lens[b])."""
+    def build(cls, query_lens: list[int], context_slots: list[torch.Tensor], device: torch.device
+              ) -> "AttentionMetadata":
+        """context_slots[b]: cache slot of every context position of sequence b after this step
+        (its cached prefix followed by its query_lens[b] new tokens)."""
+        context_lens = [len(c) for c in context_slots]
         B, Q, L = len(query_lens), max(query_lens), max(context_lens)
-        offsets = torch.arange(block_size)
         gather = torch.zeros(B, L, dtype=torch.long)
         pad = torch.zeros(B, Q, dtype=torch.long)
         slot_parts, unpad_parts = [], []
         row = 0
-        for b, (q, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-            nblk = (ctx + block_size - 1) // block_size
-            slots = (torch.tensor(table[:nblk]).unsqueeze(1) * block_size + offsets).reshape(-1)[:ctx]
+        for b, (q, slots) in enumerate(zip(query_lens, context_slots)):
+            ctx = len(slots)
             gather[b, :ctx] = slots
             slot_parts.append(slots[ctx - q:])
             pad[b, :q] = torch.arange(row, row + q)

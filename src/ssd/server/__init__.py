@@ -1,0 +1,15 @@
+"""OpenAI-compatible HTTP server: `ssd serve` (see README_SECTION.md beside this file).
+
+    from ssd.server import build_app, BackgroundServer
+"""
+__all__ = ["build_app", "BackgroundServer", "AsyncEngine"]
+
+
+def __getattr__(name):  # fastapi/uvicorn load only when the server is used
+    if name in ("build_app", "BackgroundServer"):
+        from ssd.server import app
+        return getattr(app, name)
+    if name == "AsyncEngine":
+        from ssd.server.async_engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(name)

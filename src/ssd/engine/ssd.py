@@ -1,0 +1,237 @@
+"""Speculative speculative decoding, engine side: the draft runs in its own process (own cores or
+device, or another host) and pre-drafts while the target verifies. Verification is the same exact
+rejection sampling as SD; the proposal q is exactly what the worker sampled from.
+
+If the worker dies or stops answering, the engine logs it once and finishes every request with
+local autoregressive decoding (exact, slower)."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.engine.engine import prefill_and_sample
+from ssd.engine.model_runner import ModelRunner
+from ssd.engine.sd import verify_and_commit
+from ssd.engine.sequence import Sequence
+from ssd.speculation.transport import Channel, Msg, decode_error, free_port, init_group
+
+log = logging.getLogger(__name__)
+
+
+class DraftWorkerError(RuntimeError):
+    pass
+
+
+@dataclass
+class SSDStats:
+    rounds: int = 0
+    hits: int = 0
+    misses: int = 0
+    fast_backups: int = 0
+    hits_by_k: list[int] = field(default_factory=list)
+    misses_by_k: list[int] = field(default_factory=list)
+    tokens_on_hit: int = 0
+    tokens_on_miss: int = 0
+    wait_s: float = 0.0          # target idle: waiting for the worker's answer
+    verify_s: float = 0.0        # target busy verifying
+    worker_busy_s: float = 0.0   # reported by the worker (drafting + pre-drafting)
+    chains_drafted: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def record(self, k: int, hit: bool, committed: int, k_max: int) -> None:
+        while len(self.hits_by_k) <= k_max:
+            self.hits_by_k.append(0)
+            self.misses_by_k.append(0)
+        if hit:
+            self.hits += 1
+            self.hits_by_k[k] += 1
+            self.tokens_on_hit += committed
+        else:
+            self.misses += 1
+            self.misses_by_k[k] += 1
+            self.tokens_on_miss += committed
+
+    def to_dict(self) -> dict:
+        wall = max(time.perf_counter() - self.started, 1e-9)
+        asked = self.hits + self.misses
+        return {"cache_hit_rate": self.hits / asked if asked else None, "hits": self.hits, "misses": self.misses,
+                "fast_backups": self.fast_backups,
+                "hit_rate_by_k": [h / (h + m) if h + m else None for h, m in zip(self.hits_by_k, self.misses_by_k)],
+                "tokens_per_round_on_hit": self.tokens_on_hit / self.hits if self.hits else None,
+                "tokens_per_round_on_miss": self.tokens_on_miss / self.misses if self.misses else None,
+                "target_idle_fraction": self.wait_s / wall, "target_verify_fraction": self.verify_s / wall,
+                "draft_busy_fraction": min(self.worker_busy_s / wall, 1.0), "chains_drafted": self.chains_drafted}
+
+
+class DraftClient:
+    """Starts (or waits for) a draft worker and speaks the transport protocol with it."""
+
+    def __init__(self, model_path: str, dtype: str, k: int, *, threads: int | None = None,
+                 cores: list[int] | None = None, fanout_budget: int = 4, saguaro_c: float = 1.0,
+                 backup: str = "neural", timeout_s: float = 60.0, num_blocks: int = 4096, block_size: int = 16,
+                 max_model_len: int = 4096, listen: str | None = None):
+        self.proc = None
+        host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
+        if listen is None:
+            cmd = [sys.executable, "-m", "ssd.speculation.draft_worker", "--connect", f"{host}:{port}",
+                   "--model", model_path, "--dtype", dtype, "--k", str(k), "--fanout-budget", str(fanout_budget),
+                   "--saguaro-c", str(saguaro_c), "--backup", backup, "--timeout", str(timeout_s),
+                   "--num-blocks", str(num_blocks), "--block-size", str(block_size),
+                   "--max-model-len", str(max_model_len)]
+            if threads:
+                cmd += ["--threads", str(threads)]
+            if cores:
+                cmd += ["--cores", ",".join(map(str, cores))]
+            self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
+        self._join(host, port, timeout_s)
+        self.chan = Channel(peer=1)
+        msg = self.chan.recv()
+        if msg.kind == Msg.ERROR:
+            self.close()
+            raise DraftWorkerError(decode_error(msg.ints))
+        self.vocab, self.pid = msg.ints.tolist()
+        log.info("draft worker %d is up (%s)", self.pid, "local process" if self.proc else f"remote, {host}:{port}")
+
+    def _join(self, host: str, port: int, timeout_s: float) -> None:
+        """Rendezvous without hanging on a worker that died before joining."""
+        err: list[BaseException] = []
+        t = threading.Thread(target=lambda: _catch(err, init_group, host, port, 0, timeout_s), daemon=True)
+        t.start()
+        deadline = time.monotonic() + timeout_s
+        while t.is_alive():
+            t.join(0.1)
+            if self.proc is not None and self.proc.poll() is not None:
+                tail = self.proc.stderr.read().decode(errors="replace")[-2000:]
+                raise DraftWorkerError(f"the draft worker exited during start-up (code {self.proc.returncode}):\n{tail}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise DraftWorkerError(f"no draft worker joined {host}:{port} within {timeout_s:.0f}s")
+        if err:
+            self.close()
+            raise DraftWorkerError(f"could not set up the engine/worker link on {host}:{port}: {err[0]}")
+
+    def add(self, seq: Sequence) -> None:
+        p = seq.params
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        toks = seq.all_token_ids
+        self.chan.send(Msg.ADD, [seq.seq_id, seed, p.top_k, len(toks), *toks], [p.temperature, p.top_p])
+
+    def free(self, seq_ids: list[int]) -> None:
+        if seq_ids:
+            self.chan.send(Msg.FREE, seq_ids)
+
+    def speculate(self, requests: list[tuple[int, int, int, int]], vocab: int):
+        """-> (tokens per seq, probs per seq or None, backup code per seq, worker busy seconds, chains)."""
+        flat = [len(requests)] + [x for r in requests for x in r]
+        self.chan.send(Msg.SPECULATE, flat)
+        msg = self.chan.recv()
+        if msg.kind != Msg.SPECULATION:
+            raise DraftWorkerError(f"unexpected reply {msg.kind.name}")
+        ints = msg.ints.tolist()
+        n, pos, off = ints[0], 1, 0
+        tokens, probs, codes = [], [], []
+        for _ in range(n):     # per sequence: backup code, has-probs flag, m, m tokens
+            code, has_probs, m = ints[pos:pos + 3]
+            tokens.append(ints[pos + 3:pos + 3 + m])
+            pos += 3 + m
+            codes.append(code)
+            probs.append(msg.floats[off:off + m * vocab].view(m, vocab) if has_probs else None)
+            off += m * vocab if has_probs else 0
+        return tokens, probs, codes, float(msg.floats[-1]), ints[pos]
+
+    def close(self) -> None:
+        try:
+            if torch.distributed.is_initialized():
+                try:
+                    self.chan.send(Msg.SHUTDOWN)
+                except Exception:
+                    pass
+                torch.distributed.destroy_process_group()
+        except Exception:
+            pass
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class SSDStep:
+    def __init__(self, target: ModelRunner, client: DraftClient, k: int, on_failure):
+        self.target, self.client, self.k = target, client, k
+        self.on_failure = on_failure
+        self.stats = SSDStats()
+        self.vocab = target.model.cfg.vocab_size
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        try:
+            for s in seqs:
+                self.client.add(s)
+        except Exception as e:
+            self.on_failure(e)
+        prefill_and_sample(self.target, seqs)
+        for s in seqs:
+            s.ssd_outcome = (0, s.output_token_ids[-1])
+
+    def decode(self, seqs: list[Sequence]) -> None:
+        k_eff = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
+        reqs = [(s.seq_id, *s.ssd_outcome, k) for s, k in zip(seqs, k_eff)]
+        t0 = time.perf_counter()
+        try:
+            drafts, qs, codes, busy, chains = self.client.speculate(reqs, self.vocab)
+        except Exception as e:
+            self.on_failure(e)
+            from ssd.engine.ar import ARStep
+            ARStep(self.target).decode(seqs)
+            return
+        t1 = time.perf_counter()
+        for b, s in enumerate(seqs):     # the worker answers with k_eff tokens; trust but verify the length
+            if len(drafts[b]) != k_eff[b]:
+                drafts[b], qs[b] = drafts[b][:k_eff[b]], None if qs[b] is None else qs[b][:k_eff[b]]
+        before = [len(s.output_token_ids) for s in seqs]
+        accepted = verify_and_commit(self.target, seqs, drafts, qs)
+        t2 = time.perf_counter()
+        st = self.stats
+        st.rounds += 1
+        st.wait_s += t1 - t0
+        st.verify_s += t2 - t1
+        st.worker_busy_s, st.chains_drafted = busy, chains
+        for s, n, code, b0, (_, k_prev, _, _) in zip(seqs, accepted, codes, before, reqs):
+            if s.spec.rounds > 1:   # the first round after prefill has no speculation to hit
+                st.record(k_prev, code == 1, len(s.output_token_ids) - b0, self.k)
+            st.fast_backups += code == 2
+            s.ssd_outcome = (n, s.output_token_ids[-1])
+            s.ssd_hits = getattr(s, "ssd_hits", 0) + (code == 1)
+
+    def release(self, seq: Sequence) -> None:
+        try:
+            self.client.free([seq.seq_id])
+        except Exception as e:
+            self.on_failure(e)
+
+
+def _split(hostport: str) -> tuple[str, int]:
+    host, port = hostport.rsplit(":", 1)
+    return host, int(port)
+
+
+def _catch(err: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - reported to the caller thread
+        err.append(e)
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env

@@ -1,0 +1,120 @@
+"""Prometheus metrics of one server (its own registry: no process-global state).
+
+Request/latency/token counters are updated by the engine thread as steps commit tokens; gauges
+(running, waiting, KV blocks) are refreshed after every engine step and command.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ssd.engine.sequence import SpecStats
+
+STATUSES = ("success", "rejected", "aborted", "error")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, mode: str, model: str, k: int | None, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.mode = mode
+        info = Gauge("ssd_engine_info", "Constant 1, labelled with the serving configuration",
+                     ["model", "mode", "k"], registry=r)
+        info.labels(model=model, mode=mode, k=str(k) if mode != "ar" else "").set(1)
+
+        self.requests = Counter("ssd_requests", "Generation API requests by final status "
+                                "(success, rejected = 4xx, aborted = client went away, error = 5xx)",
+                                ["status"], registry=r)
+        for s in STATUSES:
+            self.requests.labels(status=s)
+        self.prompt_tokens = Counter("ssd_prompt_tokens", "Prompt tokens of admitted engine requests", registry=r)
+        self.generation_tokens = Counter("ssd_generation_tokens", "Generated (committed) tokens", registry=r)
+        self.finished = Counter("ssd_engine_requests_finished", "Engine requests (one per choice) by finish "
+                                "reason", ["reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(reason=reason)
+        self.ttft = Histogram("ssd_time_to_first_token_seconds", "Time from arrival to the first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ssd_inter_token_latency_seconds", "Time between generated tokens of a request (a "
+                             "round committing m tokens after t seconds counts m samples of t/m)",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("ssd_request_latency_seconds", "Time from arrival to the last token of an engine "
+                             "request", buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("ssd_requests_running", "Engine requests being decoded", registry=r)
+        self.waiting = Gauge("ssd_requests_waiting", "Engine requests waiting for KV blocks or a batch slot",
+                             registry=r)
+        self.preemptions = Counter("ssd_preemptions", "Requests preempted (freed and recomputed later) because "
+                                   "the KV cache was full", registry=r)
+        self.kv_used = Gauge("ssd_kv_blocks_used", "KV cache blocks held by requests", ["model"], registry=r)
+        self.kv_free = Gauge("ssd_kv_blocks_free", "KV cache blocks free (incl. reusable prefix-cache blocks)",
+                             ["model"], registry=r)
+        self.kv_total = Gauge("ssd_kv_blocks_total", "KV cache blocks in the pool", ["model"], registry=r)
+
+        # Speculation (SD and SSD). In AR mode these stay at 0.
+        self.drafts = Counter("ssd_spec_drafts", "Verification rounds that checked at least one draft token",
+                              registry=r)
+        self.draft_tokens = Counter("ssd_spec_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("ssd_spec_accepted_tokens", "Draft tokens accepted by the target",
+                                       registry=r)
+        self.draft_by_pos = Counter("ssd_spec_draft_tokens_by_position", "Draft tokens proposed at position "
+                                    "(0-based) within a round", ["position"], registry=r)
+        self.accepted_by_pos = Counter("ssd_spec_accepted_tokens_by_position", "Draft tokens accepted at "
+                                       "position (0-based) within a round", ["position"], registry=r)
+        # SSD (speculation cache + draft worker). SSD mode does not exist yet: declared so dashboards can be
+        # built now; they stay at 0 until the SSD step reports into them.
+        self.cache_hits = Counter("ssd_spec_cache_hits", "SSD speculation-cache hits by accepted length k",
+                                  ["k"], registry=r)
+        self.cache_misses = Counter("ssd_spec_cache_misses", "SSD speculation-cache misses by accepted length k",
+                                    ["k"], registry=r)
+        self.draft_worker_up = Gauge("ssd_draft_worker_up", "1 while the SSD draft worker answers, else 0 "
+                                     "(always 0 outside SSD mode)", registry=r)
+        if mode != "ar" and k:
+            for j in range(k + 1):
+                self.cache_hits.labels(k=str(j))
+                self.cache_misses.labels(k=str(j))
+            for j in range(k):
+                self.draft_by_pos.labels(position=str(j))
+                self.accepted_by_pos.labels(position=str(j))
+
+    def request_done(self, status: str) -> None:
+        self.requests.labels(status=status).inc()
+
+    def tokens(self, n: int, now: float, arrival: float, last_token_time: float | None) -> None:
+        """n tokens committed at `now` for a request that arrived at `arrival`."""
+        if n <= 0:
+            return
+        self.generation_tokens.inc(n)
+        if last_token_time is None:
+            self.ttft.observe(now - arrival)
+            n -= 1
+            last_token_time = now
+        per = (now - last_token_time) / max(n, 1)
+        for _ in range(n):
+            self.itl.observe(per)
+
+    def spec_delta(self, before: SpecStats, after: SpecStats) -> None:
+        drafted = after.draft_tokens - before.draft_tokens
+        if drafted <= 0:
+            return
+        self.drafts.inc(after.rounds - before.rounds)
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(after.accepted_tokens - before.accepted_tokens)
+        for j, (p, a) in enumerate(zip(after.proposed_by_pos, after.accepted_by_pos)):
+            p0 = before.proposed_by_pos[j] if j < len(before.proposed_by_pos) else 0
+            a0 = before.accepted_by_pos[j] if j < len(before.accepted_by_pos) else 0
+            if p > p0:
+                self.draft_by_pos.labels(position=str(j)).inc(p - p0)
+            if a > a0:
+                self.accepted_by_pos.labels(position=str(j)).inc(a - a0)
+
+    def engine_state(self, scheduler, managers: dict) -> None:
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        for name, bm in managers.items():
+            free = bm.num_free_blocks
+            self.kv_free.labels(model=name).set(free)
+            self.kv_used.labels(model=name).set(bm.num_blocks - free)
+            self.kv_total.labels(model=name).set(bm.num_blocks)

@@ -1,0 +1,421 @@
+"""The SSD draft side: keeps the draft's KV cache of every sequence, answers speculation requests
+and, while the target verifies, pre-drafts the next speculation for the likely verification
+outcomes (k accepted, bonus t) into the speculation cache.
+
+`DraftWorker` holds the logic and runs in-process for tests; `serve()` wraps it in a process that
+talks to the engine over torch.distributed (see transport.py).
+
+Randomness: every chain of draft tokens for outcome (k, t) of round i of a sequence is sampled
+with a generator seeded from (request seed, i, k, t). A pre-drafted chain and a just-in-time
+backup chain for the same outcome are therefore the same tokens, so a seeded request's output does
+not depend on how much the worker managed to pre-draft (timing).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.engine.model_runner import ForwardItem, ModelRunner
+from ssd.layers.attention import block_slots
+from ssd.layers.sampler import logits_to_probs, sample
+from ssd.speculation.backup import ngram_proposal
+from ssd.speculation.fanout import AcceptanceEstimator, MissCurveEstimator, geometric_fanout
+from ssd.speculation.saguaro import saguaro_proposal
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqParams:
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Chain:
+    """K draft tokens following outcome (k, t), with the distributions they were sampled from."""
+
+    k: int
+    bonus: int
+    tokens: list[int]
+    probs: torch.Tensor | None          # [K, V] proposal actually sampled (None when greedy)
+    ranking: torch.Tensor               # [K, V] draft distribution at each position (picks candidates)
+    scratch: torch.Tensor | None = None  # cache slots holding KV of [bonus, tokens[:-1]]
+
+
+@dataclass
+class Job:
+    """Draft `want` tokens after bonus token `bonus` at position `pos` (seeded by round/k/bonus)."""
+
+    seq: "WorkerSeq"
+    rnd: int
+    k: int
+    bonus: int
+    pos: int
+    want: int
+
+
+@dataclass
+class WorkerSeq:
+    seq_id: int
+    params: SeqParams
+    ctx: list[int]                      # committed tokens (prompt + accepted output)
+    cached: int                         # main KV holds positions [0, cached) of ctx + spec
+    round: int = 0
+    spec: list[int] = field(default_factory=list)      # last speculation sent
+    dists: dict[int, torch.Tensor] = field(default_factory=dict)  # draft ranking dist after ctx+spec[:k]
+    chains: dict[tuple[int, int], Chain] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.ctx + self.spec
+
+
+@dataclass
+class Reply:
+    seq_id: int
+    tokens: list[int]
+    probs: torch.Tensor | None
+    hit: bool
+    backup: str          # "cache" | "neural" | "fast"
+
+
+class DraftWorker:
+    def __init__(self, runner: ModelRunner, vocab: int, k: int, fanout_budget: int = 4,
+                 saguaro_c: float = 1.0, backup: str = "neural", max_chains: int = 64):
+        self.runner = runner
+        self.bm = runner.block_manager
+        self.vocab = vocab
+        self.k = k
+        self.budget = fanout_budget
+        self.saguaro_c = saguaro_c
+        self.backup = backup
+        self.acceptance = AcceptanceEstimator()   # per-token acceptance a, measured online
+        self.miss_curve = MissCurveEstimator()    # miss(F) = F^-r, r measured online
+        self.seqs: dict[int, WorkerSeq] = {}
+        self.max_chains = max_chains
+        self._scratch_id = -1
+        self.bm.allocate(self._scratch_id, [0] * (max_chains * k + 1))
+        self.scratch_slots = block_slots(self.bm.block_table(self._scratch_id), self.bm.block_size,
+                                         max_chains * k)
+        self.busy_s = 0.0
+        self.stats = {"hits": 0, "misses": 0, "hits_by_k": [0] * (k + 1), "misses_by_k": [0] * (k + 1),
+                      "chains_drafted": 0}
+
+    # ---- sequence lifecycle -----------------------------------------------------------------
+    def add(self, seq_id: int, tokens: list[int], params: SeqParams) -> None:
+        if seq_id in self.seqs:
+            self.free(seq_id)
+        t0 = time.perf_counter()
+        cached = self.bm.allocate(seq_id, tokens)
+        self.runner.forward([ForwardItem(seq_id, tokens[cached:], cached, 0)])
+        self.bm.commit(seq_id, tokens)
+        self.seqs[seq_id] = WorkerSeq(seq_id, params, list(tokens), len(tokens))
+        self.busy_s += time.perf_counter() - t0
+
+    def free(self, seq_id: int) -> None:
+        if self.seqs.pop(seq_id, None) is not None:
+            self.bm.free(seq_id)
+
+    # ---- answering ----------------------------------------------------------------------------
+    def speculate(self, requests: list[tuple[int, int, int, int]]) -> list[Reply]:
+        """requests: (seq_id, accepted k, bonus t, tokens wanted). Applies each outcome and returns
+        the next speculation: from the cache on a hit, else from the backup."""
+        t0 = time.perf_counter()
+        replies, jit = [], []
+        for seq_id, k, t, want in requests:
+            s = self.seqs[seq_id]
+            chain = s.chains.get((k, t)) if want == self.k else None
+            self._update_acceptance(s, k, t)
+            if s.spec:
+                self.stats["hits_by_k" if chain else "misses_by_k"][k] += 1
+                self.stats["hits" if chain else "misses"] += 1
+            self._commit_outcome(s, k, t)
+            if chain is not None:
+                self._adopt(s, chain)
+                replies.append(Reply(seq_id, chain.tokens, chain.probs, True, "cache"))
+            elif want == 0:
+                s.spec, s.dists = [], {}
+                replies.append(Reply(seq_id, [], None, False, "none"))
+            else:
+                fast = ngram_proposal(s.ctx, want) if self.backup == "fast" else None
+                if fast is not None:
+                    s.spec, s.dists = list(fast), {}
+                    replies.append(Reply(seq_id, s.spec, None, False, "fast"))
+                else:
+                    jit.append((s, k, t, want))
+                    replies.append(None)
+        if jit:
+            chains = self._draft([Job(s, s.round - 1, k, t, len(s.ctx) - 1, want) for s, k, t, want in jit],
+                                 main=True)
+            it = iter(zip(jit, chains))
+            for i, r in enumerate(replies):
+                if r is None:
+                    (s, _, _, _), c = next(it)
+                    s.spec = c.tokens
+                    s.dists = {j: c.ranking[j] for j in range(len(c.tokens))}
+                    replies[i] = Reply(s.seq_id, c.tokens, c.probs, False, "neural")
+        for s in (self.seqs[r.seq_id] for r in replies):
+            s.chains = {}
+        self.busy_s += time.perf_counter() - t0
+        return replies
+
+    def _update_acceptance(self, s: WorkerSeq, k: int, t: int) -> None:
+        if not s.spec:
+            return
+        self.acceptance.observe(k, len(s.spec))
+        if k in s.dists:   # where the true bonus ranked among the draft's candidates at k
+            dist = s.dists[k].clone()
+            if k < len(s.spec):
+                dist[s.spec[k]] = -1.0
+            self.miss_curve.observe_rank(int((dist > dist[t]).sum()))
+
+    def plan(self, budget: int) -> list[int]:
+        """Fan-out F_0..F_K for a per-sequence budget (geometric, from the measured a and r)."""
+        a = min(max(self.acceptance.rate, 0.02), 0.98)
+        return geometric_fanout(a, self.miss_curve.r, self.k, budget)
+
+    def _commit_outcome(self, s: WorkerSeq, k: int, t: int) -> None:
+        """ctx += spec[:k] + [t]; the main cache keeps only what is still valid."""
+        keep = min(s.cached, len(s.ctx) + k)
+        s.ctx = s.ctx + s.spec[:k] + [t]
+        s.round += 1
+        self.bm.rollback(s.seq_id, self.bm.num_tokens(s.seq_id) - keep)
+        s.cached = keep
+        self.bm.commit(s.seq_id, s.ctx[:keep])
+
+    def _adopt(self, s: WorkerSeq, chain: Chain) -> None:
+        """Make a hit chain the sequence's state: copy its KV (bonus + first K-1 tokens) into the main
+        cache instead of recomputing it."""
+        base = len(s.ctx) - 1               # position of the bonus token
+        if s.cached == base:
+            self.bm.append(s.seq_id, self.k)
+            dst = block_slots(self.bm.block_table(s.seq_id), self.bm.block_size, base + self.k)[base:]
+            self.runner.copy_slots(chain.scratch, dst)
+            s.cached = base + self.k
+        s.spec = chain.tokens
+        s.dists = {j: chain.ranking[j] for j in range(len(chain.tokens))}
+
+    # ---- drafting -----------------------------------------------------------------------------
+    def _params_rows(self, seqs: list[WorkerSeq]):
+        temp = torch.tensor([s.params.temperature for s in seqs])
+        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long)
+        top_p = torch.tensor([s.params.top_p for s in seqs])
+        return temp, top_k, top_p
+
+    def _draft(self, jobs: list[Job], main: bool, poll=None) -> list[Chain] | None:
+        """Draft each job's tokens, all jobs batched per step. main=True extends the sequence's own
+        cache (just-in-time backup); otherwise each chain writes its KV to scratch slots and attends
+        to the main cache up to its branch point. Returns None when `poll()` asks to stop early."""
+        n = len(jobs)
+        tokens: list[list[int]] = [[] for _ in jobs]
+        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        ranks: list[list[torch.Tensor]] = [[] for _ in jobs]
+        gens = [torch.Generator().manual_seed(_chain_seed(j.seq.params.seed, j.seq.seq_id, j.rnd, j.k, j.bonus))
+                for j in jobs]
+        temp, top_k, top_p = self._params_rows([j.seq for j in jobs])
+        fan = self.plan(self.budget)
+        scratch = [self.scratch_slots[i * self.k:(i + 1) * self.k] for i in range(n)]
+        for step in range(max(j.want for j in jobs)):
+            if poll is not None and poll():
+                return None
+            active = [i for i in range(n) if jobs[i].want > step]
+            items = []
+            for i in active:
+                j = jobs[i]
+                s, pos = j.seq, j.pos + step
+                feed = [j.bonus] if step == 0 else [tokens[i][-1]]
+                if main:
+                    start = pos
+                    if step == 0:
+                        start = min(s.cached, pos)
+                        feed = s.ctx[start:pos + 1]
+                    need = pos + 1 - self.bm.num_tokens(s.seq_id)
+                    if need > 0:
+                        self.bm.append(s.seq_id, need)
+                    items.append(ForwardItem(s.seq_id, feed, start))
+                    s.cached = pos + 1
+                else:
+                    main_slots = block_slots(self.bm.block_table(s.seq_id), self.bm.block_size, j.pos)
+                    items.append(ForwardItem(s.seq_id, feed, pos, 1, torch.cat([main_slots, scratch[i][:step + 1]])))
+            logits = torch.cat(self.runner.forward(items))[:, :self.vocab].float()
+            rows = torch.tensor(active)
+            q = logits_to_probs(logits, temp[rows], top_k[rows], top_p[rows])
+            soft = torch.softmax(logits / temp[rows].clamp_min(1e-3).where(temp[rows] > 0, 1.0).unsqueeze(1), -1)
+            for r, i in enumerate(active):
+                ranks[i].append(soft[r])
+                if jobs[i].seq.params.greedy:
+                    tokens[i].append(int(q[r].argmax()))
+                    continue
+                qp = saguaro_proposal(q[r], fan[min(step, self.k)], self.saguaro_c)
+                tokens[i].append(int(sample(qp.unsqueeze(0), [gens[i]])[0]))
+                probs[i].append(qp)
+        if not main:
+            self.stats["chains_drafted"] += n
+        return [Chain(j.k, j.bonus, tokens[i], torch.stack(probs[i]) if probs[i] else None,
+                      torch.stack(ranks[i]), None if main else scratch[i][:j.want])
+                for i, j in enumerate(jobs)]
+
+    def predraft(self, poll=None) -> int:
+        """Fill the speculation cache of every sequence for its likely outcomes. Returns chains built."""
+        t0 = time.perf_counter()
+        seqs = [s for s in self.seqs.values() if len(s.spec) == self.k and not s.chains]
+        if not seqs:
+            return 0
+        self._catch_up(seqs)
+        jobs = []
+        per_seq = max(1, min(self.budget, self.max_chains // len(seqs)))
+        for s in seqs:
+            fan = self.plan(per_seq)
+            for k in range(self.k + 1):
+                if fan[k] <= 0:
+                    continue
+                dist = s.dists[k].clone()
+                if k < self.k:
+                    dist[s.spec[k]] = -1.0          # a rejected token is never the bonus
+                for t in dist.topk(fan[k]).indices.tolist():
+                    jobs.append(Job(s, s.round, k, t, len(s.ctx) + k, self.k))
+        jobs = jobs[:self.max_chains]
+        chains = self._draft(jobs, main=False, poll=poll) if jobs else None
+        if chains:
+            for j, c in zip(jobs, chains):
+                j.seq.chains[(j.k, j.bonus)] = c
+        self.busy_s += time.perf_counter() - t0
+        return len(chains or [])
+
+    def _catch_up(self, seqs: list[WorkerSeq]) -> None:
+        """Feed the speculation tokens the main cache lacks and record the draft's distribution at
+        every outcome position k = 0..K (used to pick the bonus candidates)."""
+        items, idx = [], []
+        for s in seqs:
+            toks = s.tokens
+            missing = [k for k in range(self.k + 1) if k not in s.dists]
+            if not missing:
+                continue
+            first = len(s.ctx) - 1 + min(missing)     # feeding position p gives the dist for p+1
+            start = min(s.cached, first)
+            feed = toks[start:]
+            need = len(toks) - self.bm.num_tokens(s.seq_id)
+            if need > 0:
+                self.bm.append(s.seq_id, need)
+            items.append(ForwardItem(s.seq_id, feed, start, len(toks) - first))
+            idx.append((s, first))
+            s.cached = len(toks)
+        if not items:
+            return
+        for (s, first), lg in zip(idx, self.runner.forward(items)):
+            temp = torch.tensor([max(s.params.temperature, 1.0) if s.params.greedy else s.params.temperature])
+            pr = torch.softmax(lg[:, :self.vocab].float() / temp, dim=-1)
+            for r in range(pr.shape[0]):
+                k = first + r - (len(s.ctx) - 1)
+                if k not in s.dists:
+                    s.dists[k] = pr[r]
+
+
+def _chain_seed(seed: int, seq_id: int, rnd: int, k: int, t: int) -> int:
+    h = hashlib.blake2b(f"{seed}:{seq_id}:{rnd}:{k}:{t}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+# ---- the worker process -------------------------------------------------------------------------
+def serve(host: str, port: int, model: str, dtype: str, k: int, threads: int | None, cores: list[int] | None,
+          fanout_budget: int, saguaro_c: float, backup: str, timeout_s: float, num_blocks: int,
+          block_size: int, max_model_len: int) -> None:
+    """Join the engine's process group as rank 1, load the draft and serve until SHUTDOWN."""
+    import os
+
+    from ssd.models.loader import load_model
+    from ssd.speculation.transport import Channel, Msg, error_message, init_group
+
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if threads:
+        torch.set_num_threads(threads)
+    init_group(host, port, rank=1, timeout_s=timeout_s)
+    chan = Channel(peer=0)
+    try:
+        loaded = load_model(model, dtype, "cpu", max_model_len + 32, progress=False)
+        runner = ModelRunner(loaded.model, num_blocks, block_size, torch.device("cpu"))
+        worker = DraftWorker(runner, loaded.config.vocab_size, k, fanout_budget, saguaro_c, backup)
+    except Exception as e:  # report, then exit: the engine turns it into a clear start-up error
+        chan.send(Msg.ERROR, error_message(f"draft worker could not load {model!r}: {e}"))
+        raise
+    chan.send(Msg.HELLO, [loaded.config.vocab_size, os.getpid()])
+    log.info("draft worker ready (pid %d, cores %s, threads %d)", os.getpid(), cores, torch.get_num_threads())
+    with torch.inference_mode():
+        while True:
+            pending = chan.start_recv()
+            worker.predraft(poll=pending[1].is_completed)
+            msg = chan.finish_recv(pending)
+            if msg.kind == Msg.SHUTDOWN:
+                break
+            handle(worker, chan, msg)
+
+
+def handle(worker: DraftWorker, chan, msg) -> None:
+    from ssd.speculation.transport import Msg
+
+    ints = msg.ints.tolist()
+    if msg.kind == Msg.ADD:
+        seq_id, seed, top_k, n = ints[:4]
+        temperature, top_p = msg.floats.tolist()
+        worker.add(seq_id, ints[4:4 + n], SeqParams(temperature, top_k, top_p, seed))
+    elif msg.kind == Msg.FREE:
+        for seq_id in ints:
+            worker.free(seq_id)
+    elif msg.kind == Msg.SPECULATE:
+        n = ints[0]
+        reqs = [tuple(ints[1 + 4 * i:5 + 4 * i]) for i in range(n)]
+        replies = worker.speculate(reqs)
+        out_ints, out_probs = [n], []
+        for r in replies:
+            code = {"cache": 1, "neural": 0, "fast": 2, "none": 0}[r.backup]
+            out_ints += [code, int(r.probs is not None), len(r.tokens), *r.tokens]
+            if r.probs is not None:
+                out_probs.append(r.probs.reshape(-1))
+        out_ints += [worker.stats["chains_drafted"]]
+        busy = torch.tensor([worker.busy_s], dtype=torch.float32)
+        chan.send(Msg.SPECULATION, out_ints, torch.cat(out_probs + [busy]))
+    else:
+        raise RuntimeError(f"draft worker got unexpected message {msg.kind}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="ssd draft worker (started by the engine, or by hand with --connect)")
+    p.add_argument("--connect", required=True, help="HOST:PORT of the engine's rendezvous")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cores", default=None, help="comma-separated CPU cores to pin to")
+    p.add_argument("--fanout-budget", type=int, default=4)
+    p.add_argument("--saguaro-c", type=float, default=1.0)
+    p.add_argument("--backup", choices=["neural", "fast"], default="neural")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+                        format="%(levelname)s draft-worker: %(message)s")
+    host, port = a.connect.rsplit(":", 1)
+    cores = [int(c) for c in a.cores.split(",")] if a.cores else None
+    serve(host, int(port), a.model, a.dtype, a.k, a.threads, cores, a.fanout_budget, a.saguaro_c, a.backup,
+          a.timeout, a.num_blocks, a.block_size, a.max_model_len)
+
+
+if __name__ == "__main__":
+    main()
