@@ -14,7 +14,9 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--model", default=DEFAULT_TARGET, help="target: built-in name, HF folder, GGUF file or hub id "
                    "(default %(default)s)")
     g.add_argument("--draft", default=default_draft, help="draft model for --mode sd (default: none)")
-    g.add_argument("--mode", choices=["ar", "sd"], default=None, help="decoding mode (default: sd with a draft, else ar)")
+    g.add_argument("--mode", choices=["ar", "sd", "ssd"], default=None,
+                   help="ar, sd (draft then verify) or ssd (draft worker on its own core/device pre-drafts while "
+                   "the target verifies); default: sd with a draft, else ar")
     g.add_argument("--k", type=int, default=4, help="draft tokens per speculation round (default %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
     g.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
@@ -23,6 +25,13 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    help="weights: auto = float16 via FBGEMM on CPU (fp32 activations), bfloat16 on CUDA")
     g.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output in tokens")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory of the target in GiB")
+    g.add_argument("--draft-cores", default=None, help="ssd: CPU cores of the draft worker, e.g. 1 (default: last core)")
+    g.add_argument("--draft-threads", type=int, default=None, help="ssd: threads of the draft worker (default 1)")
+    g.add_argument("--draft-host", default=None, help="ssd: HOST:PORT to wait for `ssd draft-worker --connect` "
+                   "instead of starting a local worker")
+    g.add_argument("--fanout-budget", type=int, default=4, help="ssd: chains pre-drafted per sequence per round")
+    g.add_argument("--saguaro-c", type=float, default=1.0, help="ssd: Saguaro sampling scale C in [0, 1]")
+    g.add_argument("--backup", choices=["neural", "fast"], default="neural", help="ssd: backup on a cache miss")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +50,10 @@ def _llm(args):
 
     return LLM(args.model, draft=args.draft, mode=args.mode, k=args.k, device=args.device,
                draft_device=args.draft_device, threads=args.threads, dtype=args.dtype,
-               max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb)
+               max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
+               draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None,
+               draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
+               saguaro_c=args.saguaro_c, backup=args.backup)
 
 
 def _params(args):
@@ -140,7 +152,7 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
         stop = threading.Event()
         old = None
         if threading.current_thread() is threading.main_thread():
-            old = signal.signal(signal.SIGINT, lambda *_: stop.set())   # stop between steps, never mid-step
+            old = signal.signal(signal.SIGINT, lambda *_, ev=stop: ev.set())   # stop between steps, not mid-step
         text, final = "", None
         stream = llm.stream(messages, params)
         try:
@@ -200,7 +212,10 @@ def cmd_serve(args) -> int:
     app = build_app(llm, served_name=args.served_model_name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     name = app.state.server.name
     print(f"ssd serve: model '{name}' ({llm.config.mode}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    make_server(app, args.host, args.port, args.log_level).run()
+    try:
+        make_server(app, args.host, args.port, args.log_level).run()
+    except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 0
 
 
@@ -220,6 +235,13 @@ def add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def _draft_worker(argv: list[str]) -> int:
+    from ssd.speculation.draft_worker import main as worker_main
+
+    worker_main(argv)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ssd", description="Exact LLM inference: autoregressive, speculative (SD) "
                                 "and speculative-speculative decoding.")
@@ -236,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
+    w = sub.add_parser("draft-worker", help="run an SSD draft worker that connects to an engine (--draft-host)",
+                       add_help=False)
+    w.add_argument("worker_args", nargs=argparse.REMAINDER)
+    w.set_defaults(func=lambda a: _draft_worker(a.worker_args))
+
     m = sub.add_parser("models", help="list or prepare the built-in models")
     m.add_argument("action", choices=["list", "fetch"])
     m.add_argument("names", nargs="*", help="models to fetch (default: the default target and draft)")
@@ -250,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["draft-worker"]:           # its own parser: every flag goes to the worker
+        return _draft_worker(argv[1:])
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

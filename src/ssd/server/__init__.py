@@ -2,7 +2,7 @@
 
     from ssd.server import build_app, BackgroundServer
 """
-__all__ = ["build_app", "BackgroundServer", "AsyncEngine"]
+__all__ = ["AsyncEngine", "BackgroundServer", "build_app"]
 
 
 def __getattr__(name):  # fastapi/uvicorn load only when the server is used

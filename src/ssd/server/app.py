@@ -25,9 +25,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ssd.sampling_params import SamplingParams
 from ssd.server.async_engine import AsyncEngine, EngineError, EngineRequest, RequestGroup
 from ssd.server.metrics import ServerMetrics
-from ssd.server.protocol import (SEED_LIMIT, APIError, ChatRequest, Choice, CompletionRequest, bad_request,
-                                 chat_messages, check_chat, check_completion, chunk_body, completion_body, parse,
-                                 sse, ssd_extension, usage)
+from ssd.server.protocol import (
+    SEED_LIMIT,
+    APIError,
+    ChatRequest,
+    Choice,
+    CompletionRequest,
+    bad_request,
+    chat_messages,
+    check_chat,
+    check_completion,
+    chunk_body,
+    completion_body,
+    parse,
+    ssd_extension,
+    sse,
+    usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +97,14 @@ class OpenAIServer:
             except Exception as e:  # noqa: BLE001 - template errors are the request's fault
                 raise bad_request(f"cannot apply the chat template to these messages: {e}", "messages") from None
         p = req.prompt
-        if isinstance(p, str):
-            return [(self.llm.encode(p), p)]
-        if p and isinstance(p[0], int):
+        if p and isinstance(p, list) and isinstance(p[0], int):
             return [(list(p), None)]
-        return [(self.llm.encode(x), x) if isinstance(x, str) else (list(x), None) for x in p]
+        try:
+            if isinstance(p, str):
+                return [(self.llm.encode(p), p)]
+            return [(self.llm.encode(x), x) if isinstance(x, str) else (list(x), None) for x in p]
+        except Exception as e:  # noqa: BLE001 - e.g. lone UTF-16 surrogates the tokenizer cannot take
+            raise bad_request(f"cannot tokenize the prompt: {type(e).__name__}: {str(e)[:200]}", "prompt") from None
 
     def engine_requests(self, req, chat: bool, prompts) -> list[EngineRequest]:
         if len(prompts) * req.n > MAX_ENGINE_REQUESTS:
@@ -367,7 +384,7 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="ssd-uvicorn", daemon=True)
 
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -381,7 +398,7 @@ class BackgroundServer:
         self._thread.join(timeout)
         self.sock.close()
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

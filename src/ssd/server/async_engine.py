@@ -16,8 +16,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from ssd.engine.sequence import Sequence, SpecStats
 from ssd.outputs import RequestMetrics
@@ -57,7 +58,7 @@ class RequestGroup:
     """The engine requests of one API call (prompts x n choices). Their deltas arrive, interleaved,
     on one asyncio queue; `close()` aborts whatever has not finished (call it in a finally)."""
 
-    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
         self.engine = engine
         self.request_ids = request_ids
         self.queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
@@ -224,7 +225,7 @@ class AsyncEngine:
     def _step(self) -> bool:
         try:
             outs = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+        except Exception as e:
             log.exception("engine step failed: failing every running request")
             self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
             return True

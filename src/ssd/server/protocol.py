@@ -120,9 +120,28 @@ def validation_message(err: ValidationError, body: Any) -> tuple[str, str | None
     return f"'{path}': {first['msg'].lower()} (got {_describe(first.get('input'))})", param
 
 
+def check_unicode(body: Any) -> None:
+    """Reject strings that are not valid Unicode (JSON can smuggle lone UTF-16 surrogates in)."""
+    stack = [body]
+    while stack:                       # iterative: the body may be nested deeply
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(f"the request contains a string that is not valid Unicode (a lone surrogate): "
+                                  f"{v[:40]!r}") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_unicode(body)
     try:
         return model.model_validate(body)
     except ValidationError as e:

@@ -241,7 +241,9 @@ def ranked_tokens(probs: Tensor, m: int) -> Tensor:
     return torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :m]
 
 
-def _rows(draft_sent: Sequence[int] | Tensor, draft_ranked: Sequence[Sequence[int]] | Tensor) -> tuple[list[int], list[list[int]]]:
+def _rows(
+    draft_sent: Sequence[int] | Tensor, draft_ranked: Sequence[Sequence[int]] | Tensor
+) -> tuple[list[int], list[list[int]]]:
     sent = [int(x) for x in (draft_sent.tolist() if isinstance(draft_sent, Tensor) else draft_sent)]
     ranked_rows = draft_ranked.tolist() if isinstance(draft_ranked, Tensor) else draft_ranked
     ranked = [[int(x) for x in row] for row in ranked_rows]

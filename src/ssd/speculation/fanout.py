@@ -195,7 +195,9 @@ def budget_from_timings(
     cheap as one chain, so max_budget is returned whenever one step fits.
     """
     if verify_s < 0 or draft_step_s <= 0 or overhead_s < 0:
-        raise ValueError(f"need verify_s >= 0, draft_step_s > 0, overhead_s >= 0; got {verify_s}, {draft_step_s}, {overhead_s}")
+        raise ValueError(
+            f"need verify_s >= 0, draft_step_s > 0, overhead_s >= 0; got {verify_s}, {draft_step_s}, {overhead_s}"
+        )
     if num_draft < 1 or batch < 1 or max_budget < 0:
         raise ValueError(f"need K >= 1, batch >= 1, max_budget >= 0; got {num_draft}, {batch}, {max_budget}")
     if not 0.0 <= row_cost <= 1.0 or not 0.0 < safety <= 1.0:
@@ -222,7 +224,9 @@ class AcceptanceEstimator:
     `prior_rate`. The estimate is clamped into [eps, 1 - eps] so the planner always gets a valid a.
     """
 
-    def __init__(self, prior_rate: float = 0.7, prior_weight: float = 4.0, decay: float = 0.98, eps: float = 1e-3) -> None:
+    def __init__(
+        self, prior_rate: float = 0.7, prior_weight: float = 4.0, decay: float = 0.98, eps: float = 1e-3
+    ) -> None:
         if not 0.0 < prior_rate < 1.0 or prior_weight < 0 or not 0.0 < decay <= 1.0 or not 0.0 < eps < 0.5:
             raise ValueError("need prior_rate in (0, 1), prior_weight >= 0, decay in (0, 1], eps in (0, 0.5)")
         self.prior_rate, self.prior_weight, self.decay, self.eps = prior_rate, prior_weight, decay, eps
@@ -238,7 +242,9 @@ class AcceptanceEstimator:
     @property
     def rate(self) -> float:
         prior = self.prior_weight
-        raw = (self.accepted + prior * self.prior_rate) / (self.tried + prior) if self.tried + prior > 0 else self.prior_rate
+        if self.tried + prior <= 0:
+            return min(1.0 - self.eps, max(self.eps, self.prior_rate))
+        raw = (self.accepted + prior * self.prior_rate) / (self.tried + prior)
         return min(1.0 - self.eps, max(self.eps, raw))
 
 
@@ -248,7 +254,9 @@ class MissCurveEstimator:
     Data: per fan-out F = 1..max_fan_out, a count of tries and of misses. Two ways in:
 
     - `observe_rank(rank)`: the zero-based rank of the real bonus token among the draft's
-      candidates for its k (`cache.candidate_rank`; None if it was not among them). One rank
+      candidates for its k (`cache.candidate_rank`; None if it was not among them: rank the
+      draft's top max_fan_out + 1 tokens at least, so that None really means rank >= max_fan_out).
+      One rank
       answers "would F candidates have hit?" for every F at once: hit iff rank < F.
     - `observe_hit(fan_out, hit)`: one lookup made with fan_out candidates.
 
@@ -256,8 +264,9 @@ class MissCurveEstimator:
     miss(1) = 1), over F >= 2, each point weighted by the inverse delta-method variance of its
     log-rate, n m / (1 - m); rates use a continuity correction (misses + 1/2) / (tries + 1). Only
     points with at least min_count hits and min_count misses enter the fit (a rate estimated from
-    a handful of rare events biases the log), unless no point has that many. The fit is shrunk toward prior_r with the weight of prior_weight observations against the best-
-    observed fan-out's tries, then clamped to [r_min, r_max]. Counts decay by `decay` per
+    a handful of rare events biases the log), unless no point has that many. The fit is shrunk
+    toward prior_r with the weight of prior_weight observations against the best-observed
+    fan-out's tries, then clamped to [r_min, r_max]. Counts decay by `decay` per
     observation (1.0: plain counts).
     """
 

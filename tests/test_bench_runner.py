@@ -1,0 +1,184 @@
+"""`ssd bench`: the runner on the tiny model pair (injected prompts) and the CLI parser."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ssd.bench.datasets import BenchPrompt
+from ssd.bench.runner import BenchConfig, geomean, run_bench, summarize, write_bench_report
+from ssd.cli import build_parser
+
+from conftest import CHARS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# The char tokenizer only knows printable ASCII and "\n" (others become <pad>), so the real prompt
+# sets are replaced by injected prompts: one completion set, one chat set.
+PROMPTS = {
+    "code": [BenchPrompt("code", "code-0", "def add(a, b):\n    return", None),
+             BenchPrompt("code", "code-1", "for i in range(10):", None)],
+    "chat": [BenchPrompt("chat", "chat-0", None, [{"role": "user", "content": "What is 2 + 3?"}]),
+             BenchPrompt("chat", "chat-1", None, [{"role": "user", "content": "Say hi."}])],
+}
+RUN_KEYS = {"dataset", "mode", "label", "tokens_per_s", "tokens_per_s_median", "decode_tokens_per_s",
+            "decode_tokens_per_s_median", "ttft_ms_median", "acceptance_rate", "mean_accepted_len",
+            "acceptance_by_position", "num_prompts", "generated_tokens"}
+MAX_TOKENS = 12
+
+
+def test_injected_prompts_use_only_known_chars():
+    for ps in PROMPTS.values():
+        for p in ps:
+            text = p.text if p.text is not None else "".join(m["content"] for m in p.messages)
+            assert set(text) <= set(CHARS)
+
+
+def _cfg(tiny_pair, tmp_path, **kw) -> BenchConfig:
+    target, draft = tiny_pair
+    base = dict(model=str(target), draft=str(draft), modes=["ar", "sd"], k=3, prompts=PROMPTS,
+                max_tokens=MAX_TOKENS, dtype="float32", threads=1, bandwidth=True, bandwidth_mb=8,
+                progress=False, out_dir=str(tmp_path), stem="tiny")
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def result(tiny_pair, tmp_path_factory):
+    cfg = _cfg(tiny_pair, tmp_path_factory.mktemp("bench"), peers=["hf", "hf-assisted"],
+               peer_assistant_tokens=3)
+    return run_bench(cfg)
+
+
+def test_schema_and_runs(result):
+    assert set(result) >= {"machine", "config", "runs", "summary"}
+    assert result["machine"]["bandwidth_gbps"] > 0
+    runs = {(r["dataset"], r["label"]): r for r in result["runs"]}
+    assert set(runs) == {(d, m) for d in PROMPTS for m in ("ar", "sd", "hf", "hf-assisted")}
+    for r in runs.values():
+        assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
+        assert r["num_prompts"] == 2
+        assert r["generated_tokens"] == 2 * MAX_TOKENS
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_median"] > 0
+        assert r["ttft_ms_median"] > 0
+    for d in PROMPTS:
+        ar, sd = runs[(d, "ar")], runs[(d, "sd")]
+        assert ar["acceptance_rate"] is None and ar["mean_accepted_len"] == pytest.approx(1.0)
+        assert ar["bandwidth_bound_ms_per_token"] > 0 and ar["measured_ms_per_token"] > 0
+        assert sd["k"] == 3 and 0 <= sd["acceptance_rate"] <= 1
+        assert len(sd["acceptance_by_position"]) == 3
+        assert sd["mean_accepted_len"] >= 1.0
+        assert sd["matches_ar"] == 1.0                       # greedy SD is exact
+        # same weights and dtype (float32): transformers' greedy tokens equal ours
+        assert runs[(d, "hf")]["matches_ar"] == 1.0
+        assert runs[(d, "hf-assisted")]["matches_hf"] == 1.0
+    cfg = result["config"]
+    assert cfg["max_new_tokens"] == MAX_TOKENS and cfg["k"] == [3] and cfg["peer_dtype"] == "float32"
+    assert cfg["target_weight_bytes_per_token"] > 0
+
+
+def test_summary(result):
+    s = result["summary"]
+    assert set(s) == {"ar", "sd", "hf", "hf-assisted"}
+    ar_tps = {r["dataset"]: r["tokens_per_s"] for r in result["runs"] if r["label"] == "ar"}
+    assert s["ar"]["tokens_per_s_geomean"] == pytest.approx(geomean(list(ar_tps.values())))
+    assert "vs_ar" not in s["ar"] and s["sd"]["vs_ar"] > 0 and s["sd"]["vs_hf"] > 0
+    assert s["sd"]["matches_ar"] == 1.0
+    assert s["hf"]["vs_ar"] > 0 and s["ar"]["vs_hf-assisted"] > 0
+
+
+def test_report_files(result, tmp_path):
+    paths = write_bench_report(result, tmp_path, "tiny")
+    assert {"json", "md", "png_tokens_per_s", "png_acceptance_by_position"} <= set(paths)
+    assert json.loads(paths["json"].read_text())["runs"] == json.loads(json.dumps(result["runs"]))
+    md = paths["md"].read_text()
+    assert "## Summary" in md and "| sd |" in md and "bandwidth bound" in md
+    for key in ("png_tokens_per_s", "png_acceptance_by_position"):
+        assert paths[key].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_k_sweep_batched(tiny_pair, tmp_path):
+    cfg = _cfg(tiny_pair, tmp_path, k=[1, 2], batch_size=2, bandwidth=False, warmup=False,
+               prompts={"code": PROMPTS["code"]})
+    res = run_bench(cfg)
+    labels = [r["label"] for r in res["runs"]]
+    assert labels == ["ar", "sd k=1", "sd k=2"]
+    for r in res["runs"][1:]:
+        assert r["matches_ar"] == 1.0 and len(r["acceptance_by_position"]) == r["k"]
+        assert r["batch_size"] == 2
+    assert "bandwidth_gbps" not in res["machine"]
+    assert set(res["summary"]) == {"ar", "sd k=1", "sd k=2"}
+
+
+def test_sampling_has_no_exactness_canary(tiny_pair, tmp_path):
+    res = run_bench(_cfg(tiny_pair, tmp_path, temperature=0.8, bandwidth=False, warmup=False,
+                         prompts={"chat": PROMPTS["chat"][:1]}))
+    sd = [r for r in res["runs"] if r["mode"] == "sd"][0]
+    assert sd["matches_ar"] is None and sd["generated_tokens"] == MAX_TOKENS
+
+
+def test_summarize_ratios():
+    runs = [{"dataset": d, "mode": m, "tokens_per_s": v} for d, m, v in
+            [("a", "ar", 2.0), ("b", "ar", 8.0), ("a", "sd", 4.0), ("b", "sd", 32.0), ("a", "hf", 1.0)]]
+    s = summarize(runs)
+    assert s["ar"]["tokens_per_s_geomean"] == pytest.approx(4.0)
+    assert s["sd"]["vs_ar"] == pytest.approx(8 ** 0.5)     # ratios 2 and 4
+    assert s["sd"]["vs_hf"] == pytest.approx(4.0)          # only dataset a is shared
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(modes=["xx"]), "unknown mode"),
+    (dict(peers=["vllm"]), "unknown peer"),
+    (dict(draft=None), "need a draft"),
+    (dict(k=0), "k must be"),
+    (dict(prompts=None, datasets=["nope"]), "dataset"),
+    (dict(max_tokens=0), "max_tokens"),
+])
+def test_config_validation(tiny_pair, tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(tiny_pair, tmp_path, **kw)
+
+
+def test_cli_parser(capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--modes", "--k", "--datasets", "--num-prompts", "--max-tokens", "--batch-size", "--peers",
+                "--no-bandwidth", "--quick", "--out-dir", "--stem", "--model", "--draft", "--threads", "--dtype"):
+        assert opt in out
+
+    from ssd.bench.cli import config_from_args
+
+    args = parser.parse_args(["bench", "--quick"])
+    assert args.func is not None
+    cfg = config_from_args(args)
+    assert cfg.modes == ["ar", "sd"] and cfg.datasets == ["humaneval", "gsm8k", "mtbench"]
+    assert cfg.num_prompts == 2 and cfg.max_tokens == 32 and cfg.peers == [] and cfg.ks == [4]
+    assert cfg.draft == "qwen2.5-coder-0.5b"
+
+    cfg = config_from_args(parser.parse_args(["bench", "--k", "2,4,8", "--peers", "hf,hf-assisted",
+                                              "--datasets", "gsm8k", "--no-bandwidth", "--max-tokens", "16"]))
+    assert cfg.ks == [2, 4, 8] and cfg.peers == ["hf", "hf-assisted"] and cfg.datasets == ["gsm8k"]
+    assert cfg.bandwidth is False and cfg.max_tokens == 16 and cfg.num_prompts == 4
+    assert len(cfg.datasets) == 1
+
+    cfg = config_from_args(parser.parse_args(["bench"]))
+    assert cfg.datasets == ["humaneval", "gsm8k", "mtbench", "sharegpt"] and cfg.max_tokens == 64
+
+
+def test_cli_end_to_end(tiny_pair, tmp_path, capsys, monkeypatch):
+    """`ssd bench` through main(), with the prompt loader swapped for injected prompts."""
+    import ssd.bench.runner as runner
+    from ssd.cli import main
+
+    monkeypatch.setattr(runner, "load_prompts", lambda name, n, seed=0: PROMPTS["code"][:n])
+    target, draft = tiny_pair
+    rc = main(["bench", "--model", str(target), "--draft", str(draft), "--dtype", "float32", "--threads", "1",
+               "--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "6", "--k", "2",
+               "--no-bandwidth", "--no-warmup", "--out-dir", str(tmp_path), "--stem", "cli"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| humaneval | sd |" in out and "json:" in out
+    assert (tmp_path / "cli.json").exists() and (tmp_path / "cli.md").exists()

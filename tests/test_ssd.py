@@ -1,0 +1,182 @@
+"""SSD: greedy identity with AR (hits, misses, both backups, batches), the real worker process,
+worker failure, and a statistical check at temperature > 0."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from ssd import LLM, SamplingParams
+
+from ssd_local import local_ssd
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPTS = ["hello world", "abc", "def f(x):\n    return", "abab abab abab", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def ar_ref(tiny_pair):
+    llm = LLM(str(tiny_pair[0]), dtype="float32", progress=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("draft,predraft,backup", [("self", True, "neural"), ("other", True, "neural"),
+                                                   ("self", False, "neural"), ("other", False, "fast"),
+                                                   ("self", True, "fast")])
+def test_ssd_greedy_equals_ar(monkeypatch, tiny_pair, ar_ref, draft, predraft, backup):
+    target, other = tiny_pair
+    llm, client = local_ssd(monkeypatch, target, target if draft == "self" else other, predraft=predraft,
+                            backup=backup)
+    outs = llm.generate(PROMPTS, GREEDY)                 # batch of 5
+    assert [o.token_ids for o in outs] == ar_ref
+    single = llm.generate(PROMPTS[2], GREEDY)[0]          # batch of 1
+    assert single.token_ids == ar_ref[2]
+    stats = llm.engine.step_impl.stats
+    if predraft and draft == "self":
+        assert stats.hits > stats.misses                  # the cache serves most rounds
+    if not predraft:
+        assert stats.hits == 0                            # every round went through the backup
+    if backup == "fast" and not predraft:
+        assert stats.fast_backups > 0
+
+
+def test_real_worker_process_and_kill_falls_back_to_ar(tiny_pair, ar_ref):
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=20)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == ar_ref
+        stream = llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        got = next(stream).token_ids + next(stream).token_ids
+        os.kill(llm._client.pid, signal.SIGKILL)         # the worker dies mid-generation
+        for chunk in stream:
+            got += chunk.token_ids
+        assert got == ar_ref[0]
+        assert llm.engine.degraded_from == "ssd" and llm.engine.mode == "ar"
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref   # later requests too
+    finally:
+        llm.close()
+
+
+def test_worker_start_failure_is_a_clear_error(tiny_pair, tmp_path):
+    import shutil
+
+    from ssd.engine.ssd import DraftWorkerError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_pair[1], broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    with pytest.raises(DraftWorkerError, match="could not load"):
+        LLM(str(tiny_pair[0]), draft=str(broken), mode="ssd", dtype="float32", progress=False,
+            worker_timeout_s=30)
+
+
+TOP_K = 3   # few cells -> a powerful chi-square; top-k applies to p and q alike
+
+
+def exact_second_token_dist(target_dir, prompt_ids, temperature):
+    """(likeliest first token t, exact P(second token | t)) under the target with temperature and top-k."""
+    from transformers import AutoModelForCausalLM
+
+    from ssd.layers.sampler import logits_to_probs
+
+    def probs(logits):
+        n = logits.shape[0]
+        return logits_to_probs(logits, torch.full((n,), temperature), torch.full((n,), TOP_K),
+                               torch.ones(n)).double()
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = probs(hf(torch.tensor([prompt_ids])).logits[:, -1])[0]
+        V = p1.shape[0]
+        batch = torch.tensor([prompt_ids + [t] for t in range(V)])
+        p2 = probs(hf(batch).logits[:, -1])
+    first = int(p1.argmax())
+    return first, p2[first]          # condition on the likeliest first token: no mixing dilutes a bias
+
+
+def second_token_pvalue(llm, prompt, expected, n=3000, temperature=1.0):
+    # max_tokens=3: the second token comes from a speculation round (k_eff = 1), not from prefill
+    params = [SamplingParams(temperature=temperature, top_k=TOP_K, seed=s, max_tokens=3, ignore_eos=True)
+              for s in range(n)]
+    first, expected = expected
+    outs = [o for o in llm.generate([prompt] * n, params) if o.token_ids[0] == first]
+    n = len(outs)
+    assert n > 300
+    counts = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=len(expected)).double()
+    exp = expected * n
+    big = exp >= 5                                        # pool sparse cells for the chi-square
+    if exp[~big].sum() < 1e-9:                            # impossible tokens must never appear
+        if counts[~big].sum() > 0:
+            return 0.0
+        obs, ex = counts[big], exp[big]
+    else:
+        obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+        ex = torch.cat([exp[big], exp[~big].sum().view(1)])
+    return chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue
+
+
+@pytest.fixture(scope="module")
+def near_draft(tiny_pair, tmp_path_factory):
+    """A draft close to the target (perturbed copy): many partial acceptances, where a wrong residual shows."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("near-draft")
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_pair[0]), dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for prm in hf.parameters():
+            prm.add_(0.5 * prm.std() * torch.randn(prm.shape, generator=g))
+    hf.save_pretrained(str(path))
+    for f in tiny_pair[0].glob("tokenizer*"):
+        shutil.copy(f, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stat_setup(tiny_pair):
+    target, _ = tiny_pair
+    llm = LLM(str(target), dtype="float32", progress=False)
+    prompt = "hello"
+    exp = exact_second_token_dist(target, llm.encode(prompt), 1.0)
+    return prompt, exp
+
+
+def test_sd_matches_target_distribution_and_broken_residual_is_caught(monkeypatch, tiny_pair, near_draft,
+                                                                       stat_setup):
+    from ssd.speculation import verify as V
+
+    prompt, exp = stat_setup
+    target, draft = tiny_pair[0], near_draft
+    llm = LLM(str(target), draft=str(draft), mode="sd", k=2, dtype="float32", progress=False, max_num_seqs=256)
+    assert second_token_pvalue(llm, prompt, exp) > 1e-3
+    monkeypatch.setattr(V, "residual", lambda p, q: p)    # the classic bug: resample from p on rejection
+    assert second_token_pvalue(llm, prompt, exp) < 1e-5
+
+
+def test_ssd_saguaro_matches_target_and_q_instead_of_qprime_is_caught(monkeypatch, tiny_pair, near_draft,
+                                                                       stat_setup):
+    prompt, exp = stat_setup
+    target, draft = tiny_pair[0], near_draft
+    llm, client = local_ssd(monkeypatch, target, draft, k=2, saguaro_c=0.0, fanout_budget=3)
+    llm.engine.scheduler.max_num_seqs = 256
+    assert second_token_pvalue(llm, prompt, exp) > 1e-3
+
+    def ship_plain_q(worker, reply):   # sampled from q' but tell the verifier q
+        if reply.probs is not None:
+            s = worker.seqs[reply.seq_id]
+            q = torch.stack([s.dists[j] for j in range(len(reply.tokens))])
+            top = q.topk(TOP_K, dim=-1)
+            plain = torch.zeros_like(q).scatter_(-1, top.indices, top.values)
+            reply.probs = plain / plain.sum(-1, keepdim=True)
+        return reply
+
+    client.tamper = ship_plain_q
+    assert second_token_pvalue(llm, prompt, exp) < 1e-5
