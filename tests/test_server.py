@@ -372,6 +372,55 @@ def test_sd_server_greedy_equals_generate(tiny_pair, ref):
         assert metric(srv, "ssd_kv_blocks_free", model="draft") == metric(srv, "ssd_kv_blocks_total", model="draft")
 
 
+def test_ssd_server_greedy_equals_generate_and_reports_the_cache(tiny_pair, ref):
+    import os
+    import signal
+
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+              worker_timeout_s=20)
+    try:
+        with BackgroundServer(build_app(llm)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            name = client.models.list().data[0].id
+            assert metric(srv, "ssd_draft_worker_up") == 1
+            for prompt in PROMPTS[:3]:
+                want = ref.generate(prompt, greedy(16))[0].text      # greedy SSD == AR (exactness)
+                r = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0,
+                                              extra_body=NO_EOS)
+                assert r.choices[0].text == want
+                ext = r.model_extra["ssd"]
+                assert ext["mode"] == "ssd" and ext["k"] == 3 and "degraded_from" not in ext
+                assert isinstance(ext["cache_hit_rate"], float) and 0 <= ext["cache_hit_rate"] <= 1
+                assert ext["target_forwards"] > 1
+            want = ref.chat(CHAT, greedy(12))[0].text
+            chunks = list(client.chat.completions.create(model=name, messages=CHAT, max_tokens=12, temperature=0,
+                                                         stream=True, extra_body=NO_EOS))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+            assert chunks[-1].model_extra["ssd"]["mode"] == "ssd"
+            wait_idle(srv)
+            text = httpx.get(srv.url + "/metrics").text
+            assert "ssd_draft_worker_up 1.0" in text and 'ssd_engine_info{k="3",mode="ssd"' in text
+            stats = llm.engine.step_impl.stats
+            k_labels = range(len(stats.hits_by_k))
+            assert sum(metric(srv, "ssd_spec_cache_hits_total", k=str(j)) for j in k_labels) == stats.hits
+            assert sum(metric(srv, "ssd_spec_cache_misses_total", k=str(j)) for j in k_labels) == stats.misses
+            assert stats.hits + stats.misses > 0
+
+            os.kill(llm._client.pid, signal.SIGKILL)          # the draft worker dies: the engine goes on in AR
+            want = ref.generate(PROMPTS[0], greedy(8))[0].text
+            r = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                          extra_body=NO_EOS)
+            assert r.choices[0].text == want
+            ext = r.model_extra["ssd"]
+            assert ext["mode"] == "ar" and ext["degraded_from"] == "ssd"
+            wait_idle(srv)
+            assert llm.engine.degraded_from == "ssd"
+            assert metric(srv, "ssd_draft_worker_up") == 0
+    finally:
+        llm.close()
+
+
 # ---- API key ------------------------------------------------------------------------------------------
 def test_api_key(tiny_pair):
     with BackgroundServer(build_app(tiny_llm(tiny_pair), served_name="tiny", api_key="s3cret")) as srv:

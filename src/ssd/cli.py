@@ -176,10 +176,22 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
         out.write("\n[stopped]\n" if stop.is_set() else "\n")
         out.flush()
         messages.append({"role": "assistant", "content": text})
-        if show_metrics and final is not None:
-            hit = getattr(final.metrics, "cache_hit_rate", None)
-            err.write(f"[{llm.config.mode}] {format_metrics(final.metrics)} | cache hit rate "
-                      f"{'n/a' if hit is None else f'{hit:.2f}'} | finish: {final.finish_reason}\n")
+        if show_metrics:
+            # SSD: this answer's share of the speculation cache's hits/misses (the SSD step's totals minus
+            # those seen after the previous answer; one request runs at a time). n/a outside SSD, after a
+            # worker failure, or when no round could hit (the first round after prefill never can).
+            hit, stats = None, getattr(llm.engine.step_impl, "stats", None)
+            if stats is not None and hasattr(stats, "hits"):
+                seen = getattr(stats, "_chat_seen", (0, 0))
+                stats._chat_seen = (stats.hits, stats.misses)
+                asked = stats.hits + stats.misses - sum(seen)
+                hit = (stats.hits - seen[0]) / asked if asked > 0 else None
+            mode = llm.config.mode
+            if getattr(llm.engine, "degraded_from", None):
+                mode = f"{llm.engine.degraded_from} -> {llm.engine.mode}: draft worker failed"
+            if final is not None:
+                err.write(f"[{mode}] {format_metrics(final.metrics)} | cache hit rate "
+                          f"{'n/a' if hit is None else f'{hit:.2f}'} | finish: {final.finish_reason}\n")
 
 
 def cmd_chat(args) -> int:

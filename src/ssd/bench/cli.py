@@ -79,7 +79,10 @@ def config_from_args(args):
         draft_device=args.draft_device, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
         seed=args.seed, peers=pick("peers"), peer_assistant_tokens=args.peer_assistant_tokens,
         out_dir=args.out_dir, stem=args.stem, bandwidth=not args.no_bandwidth, warmup=not args.no_warmup,
-        title=args.title or ("ssd bench --quick" if args.quick else None))
+        title=args.title or ("ssd bench --quick" if args.quick else None),
+        ssd_options=dict(fanout_budget=args.fanout_budget, saguaro_c=args.saguaro_c, backup=args.backup,
+                         draft_threads=args.draft_threads,
+                         draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None))
 
 
 def cmd_bench(args) -> int:

@@ -72,6 +72,7 @@ class BenchConfig:
     warmup: bool = True
     progress: bool = True
     title: str | None = None
+    ssd_options: dict = field(default_factory=dict)   # extra LLM(...) settings for mode ssd (fan-out, cores...)
     prompts: dict[str, list[BenchPrompt]] | None = None   # injected prompts (dataset -> prompts)
 
     def __post_init__(self) -> None:
@@ -218,7 +219,8 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
     return LLM(cfg.model, draft=cfg.draft if mode != "ar" else None, mode=mode, k=k, device=cfg.device,
                draft_device=cfg.draft_device, threads=cfg.threads, dtype=cfg.dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
-               max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress)
+               max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress,
+               **(cfg.ssd_options if mode == "ssd" else {}))
 
 
 def _params(cfg: BenchConfig, index: int, max_tokens: int | None = None):
@@ -430,7 +432,10 @@ def run_bench(cfg: BenchConfig) -> dict:
             if cfg.warmup:
                 _warmup(llm, cfg, next(iter(rendered.values()))[0])
             for dataset, ids in rendered.items():
+                ssd_before = _ssd_counts(llm)
                 run, outputs = _run_engine(llm, cfg, dataset, ids, f"{label} {dataset}")
+                if mode == "ssd":
+                    run.update(_ssd_run_stats(llm, ssd_before))
                 run["label"] = label
                 run["load_s"] = load_s
                 tokens = [o.token_ids for o in outputs]
@@ -449,6 +454,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                         log.error("%s on %s: greedy tokens differ from AR on %.0f%% of prompts (exactness bug?)",
                                   label, dataset, 100 * (1 - run["matches_ar"]))
                 runs.append(run)
+            if hasattr(llm, "close"):
+                llm.close()
             del llm
             _release_memory()
 
@@ -507,3 +514,26 @@ def write_bench_report(result: dict, out_dir: str | Path, stem: str) -> dict[str
 def bench_and_report(cfg: BenchConfig) -> tuple[dict, dict[str, Path]]:
     result = run_bench(cfg)
     return result, write_bench_report(result, cfg.out_dir, cfg.stem or cfg.default_stem())
+
+
+def _ssd_counts(llm) -> dict | None:
+    stats = getattr(llm.engine.step_impl, "stats", None)
+    if stats is None or not hasattr(stats, "hits"):
+        return None
+    return {"hits": stats.hits, "misses": stats.misses, "hit_tokens": stats.tokens_on_hit,
+            "miss_tokens": stats.tokens_on_miss, "wait_s": stats.wait_s, "verify_s": stats.verify_s}
+
+
+def _ssd_run_stats(llm, before: dict | None) -> dict:
+    """SSD speculation-cache metrics of one dataset run (differences of the engine's counters)."""
+    after = _ssd_counts(llm)
+    if after is None or before is None:
+        return {"degraded_from": llm.engine.degraded_from}
+    d = {k: after[k] - before[k] for k in after}
+    asked = d["hits"] + d["misses"]
+    busy = d["wait_s"] + d["verify_s"]
+    return {"cache_hit_rate": d["hits"] / asked if asked else None,
+            "tokens_per_round_on_hit": d["hit_tokens"] / d["hits"] if d["hits"] else None,
+            "tokens_per_round_on_miss": d["miss_tokens"] / d["misses"] if d["misses"] else None,
+            "target_idle_fraction": d["wait_s"] / busy if busy else None,
+            "degraded_from": llm.engine.degraded_from}

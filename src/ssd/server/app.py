@@ -246,6 +246,8 @@ def _apply(c: Choice, d) -> None:
         c.num_prompt_tokens = d.num_prompt_tokens
         c.num_generated_tokens = d.num_generated_tokens
         c.spec = d.spec
+        c.ssd_hits = d.ssd_hits
+        c.degraded_from = d.degraded_from
 
 
 async def _wait_disconnect(request: Request) -> None:

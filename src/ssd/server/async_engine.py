@@ -52,6 +52,8 @@ class Delta:
     num_generated_tokens: int
     spec: SpecStats | None = None           # on the final delta: the request's speculation counters
     metrics: RequestMetrics | None = None   # on the final delta
+    ssd_hits: int = 0                       # on the final delta: rounds served from the SSD speculation cache
+    degraded_from: str | None = None        # on the final delta: set once a draft-worker failure degraded SSD
 
 
 class RequestGroup:
@@ -112,6 +114,8 @@ class AsyncEngine:
         self._managers = {"target": self.engine.target.block_manager}
         if self.engine.draft is not None:
             self._managers["draft"] = self.engine.draft.block_manager
+        # SSD: keep the SSD step's counters (a degrade to AR replaces engine.step_impl, not these counters).
+        self._ssd_stats = getattr(self.engine.step_impl, "stats", None) if self.engine.mode == "ssd" else None
         self._thread = threading.Thread(target=self._run, name="ssd-engine", daemon=True)
 
     # ---- control --------------------------------------------------------------------------------
@@ -249,6 +253,8 @@ class AsyncEngine:
                 del self._tracks[seq.request_id]
                 delta.spec = copy.deepcopy(seq.spec)
                 delta.metrics = RequestMetrics.of(seq)
+                delta.ssd_hits = getattr(seq, "ssd_hits", 0)
+                delta.degraded_from = self.engine.degraded_from
                 m.finished.labels(reason=seq.finish_reason or "unknown").inc()
                 m.e2e.observe(now - track.arrival)
             batch.setdefault(track.loop, []).append((track.group, delta))
@@ -279,6 +285,8 @@ class AsyncEngine:
             self.metrics.preemptions.inc(sched.num_preemptions - self._preemptions)
             self._preemptions = sched.num_preemptions
         self.metrics.engine_state(sched, self._managers)
+        if self._ssd_stats is not None or self.engine.degraded_from == "ssd":
+            self.metrics.ssd_state(self._ssd_stats, self.engine.mode == "ssd" and self.engine.degraded_from is None)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:

@@ -63,18 +63,23 @@ class ServerMetrics:
                                     "(0-based) within a round", ["position"], registry=r)
         self.accepted_by_pos = Counter("ssd_spec_accepted_tokens_by_position", "Draft tokens accepted at "
                                        "position (0-based) within a round", ["position"], registry=r)
-        # SSD (speculation cache + draft worker). SSD mode does not exist yet: declared so dashboards can be
-        # built now; they stay at 0 until the SSD step reports into them.
+        # SSD (speculation cache + draft worker): fed from the SSD step's counters by `ssd_state`; they stay
+        # at 0 in AR and SD mode.
         self.cache_hits = Counter("ssd_spec_cache_hits", "SSD speculation-cache hits by accepted length k",
                                   ["k"], registry=r)
         self.cache_misses = Counter("ssd_spec_cache_misses", "SSD speculation-cache misses by accepted length k",
                                     ["k"], registry=r)
         self.draft_worker_up = Gauge("ssd_draft_worker_up", "1 while the SSD draft worker answers, else 0 "
-                                     "(always 0 outside SSD mode)", registry=r)
-        if mode != "ar" and k:
+                                     "(0 after a worker failure sent the engine back to AR; always 0 outside "
+                                     "SSD mode)", registry=r)
+        self._cache_seen: tuple[list[int], list[int]] = ([], [])     # hits_by_k, misses_by_k already counted
+        if mode == "ssd":
+            self.draft_worker_up.set(1)
+        if mode == "ssd" and k:
             for j in range(k + 1):
                 self.cache_hits.labels(k=str(j))
                 self.cache_misses.labels(k=str(j))
+        if mode != "ar" and k:
             for j in range(k):
                 self.draft_by_pos.labels(position=str(j))
                 self.accepted_by_pos.labels(position=str(j))
@@ -109,6 +114,21 @@ class ServerMetrics:
                 self.draft_by_pos.labels(position=str(j)).inc(p - p0)
             if a > a0:
                 self.accepted_by_pos.labels(position=str(j)).inc(a - a0)
+
+    def ssd_state(self, stats, worker_up: bool) -> None:
+        """SSD: count the speculation cache's hits/misses since the last call (`stats` is the SSD step's
+        SSDStats: hits_by_k / misses_by_k only grow) and set the worker gauge."""
+        self.draft_worker_up.set(1 if worker_up else 0)
+        if stats is None:
+            return
+        for counter, now, seen in ((self.cache_hits, stats.hits_by_k, self._cache_seen[0]),
+                                   (self.cache_misses, stats.misses_by_k, self._cache_seen[1])):
+            for j, n in enumerate(list(now)):
+                if j >= len(seen):
+                    seen.append(0)
+                if n > seen[j]:
+                    counter.labels(k=str(j)).inc(n - seen[j])
+                    seen[j] = n
 
     def engine_state(self, scheduler, managers: dict) -> None:
         self.running.set(len(scheduler.running))

@@ -221,6 +221,8 @@ class Choice:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     spec: SpecStats | None = None
+    ssd_hits: int = 0                  # SSD: rounds served from the speculation cache
+    degraded_from: str | None = None   # set when a draft-worker failure had degraded the engine to AR
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -229,7 +231,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def ssd_extension(mode: str, k: int | None, choices: list[Choice]) -> dict:
-    """Per-response speculation metrics (the `ssd` object); rates are None where they do not apply."""
+    """Per-response speculation metrics (the `ssd` object); rates are None where they do not apply.
+
+    `mode` is the served (configured) mode. After a draft-worker failure the engine runs AR: the object
+    then says `mode: "ar"` and `degraded_from: "ssd"` (the key is present only then)."""
     spec = SpecStats()
     for c in choices:
         if c.spec is not None:
@@ -238,9 +243,29 @@ def ssd_extension(mode: str, k: int | None, choices: list[Choice]) -> dict:
     acc, _, by_pos = spec_rates(spec, generated)
     decode_tokens = sum(max(c.num_generated_tokens - 1, 0) for c in choices)
     mal = decode_tokens / spec.rounds if acc is not None and spec.rounds else None
-    return {"mode": mode, "k": k if mode != "ar" else None, "acceptance_rate": acc, "mean_accepted_len": mal,
-            "acceptance_by_position": by_pos, "cache_hit_rate": None,   # SSD speculation cache: not built yet
-            "target_forwards": spec.rounds}
+    degraded = next((c.degraded_from for c in choices if c.degraded_from), None)
+    now = "ar" if degraded else mode
+    out = {"mode": now, "k": k if now != "ar" else None, "acceptance_rate": acc, "mean_accepted_len": mal,
+           "acceptance_by_position": by_pos, "cache_hit_rate": cache_hit_rate(mode, choices),
+           "target_forwards": spec.rounds}
+    if degraded:
+        out["degraded_from"] = degraded
+    return out
+
+
+def cache_hit_rate(mode: str, choices: list[Choice]) -> float | None:
+    """SSD: rounds served from the speculation cache / rounds that could have been (every verification
+    round but each request's first, which follows prefill and has nothing cached). None outside SSD and
+    when no round could hit."""
+    if mode != "ssd":
+        return None
+    hits = asked = 0
+    for c in choices:
+        rounds = c.spec.rounds if c.spec is not None else 0
+        if rounds > 1:
+            hits += c.ssd_hits
+            asked += rounds - 1
+    return hits / asked if asked else None
 
 
 def completion_body(rid: str, model: str, choices: list[Choice], prompt_tokens: int, ssd: dict,
