@@ -28,7 +28,7 @@ demo: venv
 		--escapes --prompt 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 	$(VENV)/bin/ssd generate --chat --max-tokens 96 --temperature 0 --metrics \
 		--prompt 'Explain in two sentences what a KV cache is.'
-	$(VENV)/bin/ssd bench --quick
+	$(VENV)/bin/ssd bench --quick --modes ar,sd,ssd --threads 1
 
 clean-venv:
 	rm -rf $(VENV)

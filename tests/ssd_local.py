@@ -27,21 +27,24 @@ class LocalDraftClient:
         for i in ids:
             self.worker.free(i)
 
-    def speculate(self, reqs, vocab):
+    def speculate(self, reqs, vocab, verify_s=0.0):
+        self.worker.observe_verify(verify_s)
         if self.predraft:
             self.worker.predraft()
         replies = self.worker.speculate([tuple(r) for r in reqs])
         if self.tamper:
             replies = [self.tamper(self.worker, r) for r in replies]
         codes = [{"cache": 1, "neural": 0, "fast": 2, "none": 0}[r.backup] for r in replies]
+        spans = [({1: "answer", 2: "predraft", 3: "prefill"}[k], a, b) for k, a, b in self.worker.spans]
+        self.worker.spans.clear()
         return ([r.tokens for r in replies], [r.probs for r in replies], codes, self.worker.busy_s,
-                self.worker.stats["chains_drafted"])
+                self.worker.stats["chains_drafted"], spans)
 
     def close(self) -> None:
         pass
 
 
-def local_ssd(monkeypatch, target, draft, k=3, **kw):
+def local_ssd(monkeypatch, target, draft, k=3, llm_kw=None, **kw):
     """LLM(mode='ssd') whose draft worker runs in-process."""
     from ssd import LLM
 
@@ -52,5 +55,5 @@ def local_ssd(monkeypatch, target, draft, k=3, **kw):
         return client["c"]
 
     monkeypatch.setattr(LLM, "_start_worker", start)
-    llm = LLM(str(target), draft=str(draft), mode="ssd", k=k, dtype="float32", progress=False)
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=k, dtype="float32", progress=False, **(llm_kw or {}))
     return llm, client["c"]

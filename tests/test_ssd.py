@@ -180,3 +180,52 @@ def test_ssd_saguaro_matches_target_and_q_instead_of_qprime_is_caught(monkeypatc
 
     client.tamper = ship_plain_q
     assert second_token_pvalue(llm, prompt, exp) < 1e-5
+
+
+def test_backup_choice_flips_at_the_critical_batch_size(tiny_pair):
+    from ssd_local import LocalDraftClient
+
+    w = LocalDraftClient(tiny_pair[1], k=4).worker          # backup="auto"
+    w.hit_rate.value, w.verify_s, w.jit_s.value = 0.6, 0.10, 0.04   # b* = 4 for these numbers
+    w.tokens_per_round["cache"].value = w.tokens_per_round["neural"].value = 3.5
+    w.tokens_per_round["fast"].value = 1.3
+    b_star = w.critical_batch()
+    assert b_star == 4
+    assert w.choose_backup(1) == "neural" and w.choose_backup(b_star) == "fast"
+    w.jit_s.value = 0.30                                     # slower just-in-time drafting: flips earlier
+    assert w.critical_batch() < b_star
+    w.backup = "neural"                                      # the override wins
+    assert w.choose_backup(10_000) == "neural"
+
+
+def test_prefdraft_budget_sizes_itself_to_the_verify_time(tiny_pair):
+    from ssd_local import LocalDraftClient
+
+    w = LocalDraftClient(tiny_pair[1], k=3).worker
+    w.budget, w.verify_s = 8, 0.2
+    w._size_budget(completed=False, took_s=0.2)              # cut short by the engine's request
+    assert w.budget == 4
+    w._size_budget(completed=True, took_s=0.05)              # finished with slack
+    assert w.budget == 5
+    w._size_budget(completed=True, took_s=0.19)              # finished just in time: keep
+    assert w.budget == 5
+
+
+def test_trace_has_target_and_draft_spans(monkeypatch, tiny_pair, tmp_path):
+    import json
+
+    from ssd import LLM as _LLM
+
+    traced = _LLM(str(tiny_pair[0]), draft=str(tiny_pair[1]), mode="sd", dtype="float32", progress=False, trace=True)
+    assert _LLM(str(tiny_pair[0]), dtype="float32", progress=False).engine.tracer.spans == []   # off by default
+    traced.generate(PROMPTS[:2], GREEDY)
+    traced.write_trace(tmp_path / "sd.json")
+    events = json.loads((tmp_path / "sd.json").read_text())["traceEvents"]
+    names = {(e.get("cat"), e["name"]) for e in events if e["ph"] == "X"}
+    assert {("target", "verify"), ("draft", "draft"), ("target", "prefill")} <= names
+    llm, _ = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[0], llm_kw={"trace": True})
+    llm.generate(PROMPTS[:2], GREEDY)
+    llm.write_trace(tmp_path / "ssd.json")
+    events = json.loads((tmp_path / "ssd.json").read_text())["traceEvents"]
+    names = {(e.get("cat"), e["name"]) for e in events if e["ph"] == "X"}
+    assert {("target", "verify"), ("target", "wait"), ("draft", "answer"), ("draft", "predraft")} <= names

@@ -29,9 +29,11 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--draft-threads", type=int, default=None, help="ssd: threads of the draft worker (default 1)")
     g.add_argument("--draft-host", default=None, help="ssd: HOST:PORT to wait for `ssd draft-worker --connect` "
                    "instead of starting a local worker")
-    g.add_argument("--fanout-budget", type=int, default=4, help="ssd: chains pre-drafted per sequence per round")
+    g.add_argument("--fanout-budget", type=int, default=None,
+                   help="ssd: chains pre-drafted per sequence per round (default: sized online to fit in a verify)")
     g.add_argument("--saguaro-c", type=float, default=1.0, help="ssd: Saguaro sampling scale C in [0, 1]")
-    g.add_argument("--backup", choices=["neural", "fast"], default="neural", help="ssd: backup on a cache miss")
+    g.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto",
+                   help="ssd: backup on a cache miss (auto: by batch size from measured times and hit rates)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -45,7 +47,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
-def _llm(args):
+def _llm(args, **extra):
     from ssd import LLM
 
     return LLM(args.model, draft=args.draft, mode=args.mode, k=args.k, device=args.device,
@@ -53,7 +55,7 @@ def _llm(args):
                max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
                draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
-               saguaro_c=args.saguaro_c, backup=args.backup)
+               saguaro_c=args.saguaro_c, backup=args.backup, **extra)
 
 
 def _params(args):
@@ -80,7 +82,7 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     prompt = prompt.encode().decode("unicode_escape") if args.escapes else prompt
     params = _params(args)      # validate before loading models
-    llm = _llm(args)
+    llm = _llm(args, trace=bool(args.trace))
     source = prompt
     if args.chat:
         source = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -93,6 +95,10 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
         final = chunk.output or final
     sys.stdout.write("\n")
+    if args.trace:
+        llm.write_trace(args.trace)
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
+    llm.close()
     if args.metrics and final is not None:
         print(f"[{llm.config.mode}] {format_metrics(final.metrics)} | finish: {final.finish_reason}",
               file=sys.stderr)
@@ -196,7 +202,7 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
 
 def cmd_chat(args) -> int:
     params = _params(args)      # validate before loading models
-    llm = _llm(args)
+    llm = _llm(args, trace=bool(args.trace))
     return chat_repl(llm, params, system=args.system, show_metrics=args.metrics)
 
 
@@ -266,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("--escapes", action="store_true", help="interpret backslash escapes (\\n) in --prompt")
     g.add_argument("--metrics", action="store_true", help="print tokens/s, TTFT and acceptance afterwards")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="write a Chrome/Perfetto trace (JSON) of target and draft work to FILE")
     _engine_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -22,13 +22,14 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 4096
     progress: bool = True
+    trace: bool = False                  # record target/draft spans (LLM.write_trace, CLI --trace)
     # SSD: the draft worker process
     draft_threads: int | None = None     # threads of the draft worker (default 1 on CPU)
     draft_cores: list[int] | None = None # CPU cores to pin the worker to (default: the last core)
     draft_host: str | None = None        # "HOST:PORT": wait for `ssd draft-worker --connect` there instead of spawning
-    fanout_budget: int = 4               # candidate chains pre-drafted per sequence per round
+    fanout_budget: int | None = None     # chains pre-drafted per sequence per round (None: sized online)
     saguaro_c: float = 1.0               # Saguaro sampling: weight of the cached top-F tokens in q' (1 = plain q)
-    backup: str = "neural"               # miss backup: neural | fast
+    backup: str = "auto"                 # miss backup: auto (by batch size, measured) | neural | fast
     worker_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -42,8 +43,8 @@ class EngineConfig:
             raise ValueError(f"k must be in [1, 16], got {self.k}")
         if self.block_size < 1 or self.max_model_len < 2 or self.kv_cache_gb <= 0:
             raise ValueError("block_size >= 1, max_model_len >= 2 and kv_cache_gb > 0 are required")
-        if self.backup not in ("neural", "fast"):
-            raise ValueError(f"backup must be 'neural' or 'fast', got {self.backup!r}")
+        if self.backup not in ("auto", "neural", "fast"):
+            raise ValueError(f"backup must be 'auto', 'neural' or 'fast', got {self.backup!r}")
         if not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
         if self.threads is not None and self.threads < 1:

@@ -10,6 +10,7 @@ import torch
 
 from ssd.config import EngineConfig
 from ssd.engine.engine import LLMEngine
+from ssd.engine.trace import Tracer
 from ssd.engine.model_runner import ModelRunner
 from ssd.models.loader import LoadedModel, load_model
 from ssd.outputs import RequestMetrics, RequestOutput, StreamChunk, aggregate
@@ -52,7 +53,8 @@ class LLM:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.engine = LLMEngine(target_runner, self.tokenizer, eos, self.max_model_len, cfg.max_num_seqs,
-                                cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client)
+                                cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
+                                Tracer() if cfg.trace else None)
         self._client = draft_client
 
     def _start_worker(self, target_runner: ModelRunner):
@@ -75,6 +77,12 @@ class LLM:
                            fanout_budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c, backup=cfg.backup,
                            timeout_s=cfg.worker_timeout_s, num_blocks=target_runner.block_manager.num_blocks,
                            block_size=cfg.block_size, max_model_len=self.max_model_len, listen=cfg.draft_host)
+
+    def write_trace(self, path) -> None:
+        """Write the target/draft timeline as Chrome/Perfetto trace JSON (needs LLM(..., trace=True))."""
+        if not isinstance(self.engine.tracer, Tracer):
+            raise ValueError("tracing is off: create the LLM with trace=True (CLI: --trace FILE)")
+        self.engine.tracer.write(path)
 
     def close(self) -> None:
         """Stop the draft worker (SSD). Also called at interpreter exit."""

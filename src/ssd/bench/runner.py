@@ -32,6 +32,8 @@ import re
 import statistics
 import time
 from dataclasses import dataclass, field
+
+from ssd.bench.timeline import render_timeline, window
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +221,7 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
     return LLM(cfg.model, draft=cfg.draft if mode != "ar" else None, mode=mode, k=k, device=cfg.device,
                draft_device=cfg.draft_device, threads=cfg.threads, dtype=cfg.dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
-               max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress,
+               max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress, trace=True,
                **(cfg.ssd_options if mode == "ssd" else {}))
 
 
@@ -414,6 +416,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     # AR first: the other modes are checked against its greedy tokens.
     modes = sorted(cfg.modes, key=lambda m: m != "ar")
+    timelines: dict[str, list] = {}
     for mode in modes:
         for k in ([cfg.ks[0]] if mode == "ar" else cfg.ks):
             label = mode if mode == "ar" or len(cfg.ks) == 1 else f"{mode} k={k}"
@@ -454,6 +457,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                         log.error("%s on %s: greedy tokens differ from AR on %.0f%% of prompts (exactness bug?)",
                                   label, dataset, 100 * (1 - run["matches_ar"]))
                 runs.append(run)
+            spans = [(x.track, x.name, x.start, x.end) for x in llm.engine.tracer.spans]
+            timelines[label] = window(spans[-400:])
             if hasattr(llm, "close"):
                 llm.close()
             del llm
@@ -463,7 +468,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         runs += _run_peers(cfg, prompts, rendered, ar_ids, config)
 
     return {"machine": machine, "config": config, "runs": runs, "summary": summarize(runs),
-            "elapsed_s": time.perf_counter() - t_start}
+            "timelines": timelines, "elapsed_s": time.perf_counter() - t_start}
 
 
 def _run_peers(cfg: BenchConfig, prompts, rendered, ar_ids, config) -> list[dict]:
@@ -505,9 +510,15 @@ def write_bench_report(result: dict, out_dir: str | Path, stem: str) -> dict[str
 
     paths = write_report(result, out_dir, stem)
     extra = summary_markdown(result)
+    md = paths["md"]
     if extra:
-        md = paths["md"]
         md.write_text(md.read_text(encoding="utf-8").rstrip("\n") + "\n\n## Summary\n\n" + extra, encoding="utf-8")
+    png = render_timeline(result.get("timelines") or {}, Path(out_dir) / f"{stem}_timeline.png",
+                          "target and draft work over ~1.5 s of decoding (after 3 rounds)")
+    if png is not None:
+        paths["png_timeline"] = png
+        md.write_text(md.read_text(encoding="utf-8").rstrip("\n") + f"\n\n## Timeline\n\n![timeline]({png.name})\n",
+                      encoding="utf-8")
     return paths
 
 

@@ -10,16 +10,19 @@ from ssd.engine.sequence import Sequence
 
 
 class ARStep:
-    def __init__(self, target: ModelRunner):
+    def __init__(self, target: ModelRunner, tracer):
         self.target = target
+        self.tracer = tracer
 
     def prefill(self, seqs: list[Sequence]) -> None:
-        prefill_and_sample(self.target, seqs)
+        with self.tracer.span("target", "prefill"):
+            prefill_and_sample(self.target, seqs)
 
     def decode(self, seqs: list[Sequence]) -> None:
         """Each sequence's last token is not cached yet: feed it, sample the next."""
         items = [ForwardItem(s.seq_id, s.all_token_ids[-1:], len(s) - 1) for s in seqs]
-        logits = torch.cat(self.target.forward(items))
+        with self.tracer.span("target", "decode"):
+            logits = torch.cat(self.target.forward(items))
         bm = self.target.block_manager
         for seq, tok in zip(seqs, sample_tokens(logits, seqs)):
             seq.spec.record(0, 0)

@@ -31,29 +31,31 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, target: ModelRunner, tokenizer, eos_token_ids: list[int], max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, draft: ModelRunner | None = None,
-                 mode: str = "ar", k: int = 4, draft_client=None):
+                 mode: str = "ar", k: int = 4, draft_client=None, tracer=None):
         from ssd.engine.ar import ARStep
         from ssd.engine.sd import SDStep
+        from ssd.engine.trace import NullTracer
 
+        self.tracer = tracer or NullTracer()
         self.target, self.draft = target, draft
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.mode = mode
         if mode == "ar":
-            self.step_impl = ARStep(target)
+            self.step_impl = ARStep(target, self.tracer)
             managers, lookahead = [target.block_manager], 1
         elif mode == "sd":
             if draft is None:
                 raise ValueError("mode 'sd' needs a draft model (draft=...)")
-            self.step_impl = SDStep(target, draft, k)
+            self.step_impl = SDStep(target, draft, k, self.tracer)
             managers, lookahead = [target.block_manager, draft.block_manager], k + 1
         elif mode == "ssd":
             from ssd.engine.ssd import SSDStep
 
             if draft_client is None:
                 raise ValueError("mode 'ssd' needs a draft worker")
-            self.step_impl = SSDStep(target, draft_client, k, self._degrade)
+            self.step_impl = SSDStep(target, draft_client, k, self._degrade, self.tracer)
             managers, lookahead = [target.block_manager], k + 1
         else:
             raise ValueError(f"unknown mode {mode!r}; choose ar, sd or ssd")
@@ -108,7 +110,7 @@ class LLMEngine:
                   "decoding (exact, slower)", type(error).__name__, error)
         self.degraded_from = self.mode
         self.mode = "ar"
-        self.step_impl = ARStep(self.target)
+        self.step_impl = ARStep(self.target, self.tracer)
         self.scheduler.lookahead = 1
         self.scheduler.on_release = None
 

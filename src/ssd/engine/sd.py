@@ -13,17 +13,20 @@ from ssd.speculation.verify import verify_with_generators
 
 
 class SDStep:
-    def __init__(self, target: ModelRunner, draft: ModelRunner, k: int):
+    def __init__(self, target: ModelRunner, draft: ModelRunner, k: int, tracer):
         if k < 1:
             raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
         self.target, self.draft, self.k = target, draft, k
         self.vocab = target.model.cfg.vocab_size
+        self.tracer = tracer
 
     def prefill(self, seqs: list[Sequence]) -> None:
-        prefill(self.draft, seqs, 1, num_logits=0)
+        with self.tracer.span("draft", "prefill"):
+            prefill(self.draft, seqs, 1, num_logits=0)
         for seq in seqs:
             seq.draft_cached = len(seq)
-        prefill_and_sample(self.target, seqs)
+        with self.tracer.span("target", "prefill"):
+            prefill_and_sample(self.target, seqs)
 
     def propose(self, seqs: list[Sequence], k_eff: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Draft up to k_eff[b] tokens for each sequence, batched across sequences.
@@ -52,9 +55,11 @@ class SDStep:
 
     def decode(self, seqs: list[Sequence]) -> None:
         k_eff = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
-        drafts, qs = self.propose(seqs, k_eff)
+        with self.tracer.span("draft", "draft"):
+            drafts, qs = self.propose(seqs, k_eff)
         lens = [len(s) for s in seqs]
-        accepted = verify_and_commit(self.target, seqs, drafts, qs)
+        with self.tracer.span("target", "verify"):
+            accepted = verify_and_commit(self.target, seqs, drafts, qs)
         dbm = self.draft.block_manager
         for s, L, n, d, k in zip(seqs, lens, accepted, drafts, k_eff):
             fed_end = L + k - 1 if k else s.draft_cached

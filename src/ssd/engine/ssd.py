@@ -25,6 +25,9 @@ from ssd.speculation.transport import Channel, Msg, decode_error, free_port, ini
 log = logging.getLogger(__name__)
 
 
+SPAN_NAMES = {1: "answer", 2: "predraft", 3: "prefill"}
+
+
 class DraftWorkerError(RuntimeError):
     pass
 
@@ -74,19 +77,21 @@ class DraftClient:
     """Starts (or waits for) a draft worker and speaks the transport protocol with it."""
 
     def __init__(self, model_path: str, dtype: str, k: int, *, threads: int | None = None,
-                 cores: list[int] | None = None, fanout_budget: int = 4, saguaro_c: float = 1.0,
-                 backup: str = "neural", timeout_s: float = 60.0, num_blocks: int = 4096, block_size: int = 16,
+                 cores: list[int] | None = None, fanout_budget: int | None = None, saguaro_c: float = 1.0,
+                 backup: str = "auto", timeout_s: float = 60.0, num_blocks: int = 4096, block_size: int = 16,
                  max_model_len: int = 4096, listen: str | None = None):
         self.proc = None
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
         if listen is None:
             cmd = [sys.executable, "-m", "ssd.speculation.draft_worker", "--connect", f"{host}:{port}",
-                   "--model", model_path, "--dtype", dtype, "--k", str(k), "--fanout-budget", str(fanout_budget),
+                   "--model", model_path, "--dtype", dtype, "--k", str(k),
                    "--saguaro-c", str(saguaro_c), "--backup", backup, "--timeout", str(timeout_s),
                    "--num-blocks", str(num_blocks), "--block-size", str(block_size),
                    "--max-model-len", str(max_model_len)]
             if threads:
                 cmd += ["--threads", str(threads)]
+            if fanout_budget:
+                cmd += ["--fanout-budget", str(fanout_budget)]
             if cores:
                 cmd += ["--cores", ",".join(map(str, cores))]
             self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
@@ -127,10 +132,10 @@ class DraftClient:
         if seq_ids:
             self.chan.send(Msg.FREE, seq_ids)
 
-    def speculate(self, requests: list[tuple[int, int, int, int]], vocab: int):
+    def speculate(self, requests: list[tuple[int, int, int, int]], vocab: int, verify_s: float = 0.0):
         """-> (tokens per seq, probs per seq or None, backup code per seq, worker busy seconds, chains)."""
         flat = [len(requests)] + [x for r in requests for x in r]
-        self.chan.send(Msg.SPECULATE, flat)
+        self.chan.send(Msg.SPECULATE, flat, [verify_s])
         msg = self.chan.recv()
         if msg.kind != Msg.SPECULATION:
             raise DraftWorkerError(f"unexpected reply {msg.kind.name}")
@@ -144,7 +149,10 @@ class DraftClient:
             codes.append(code)
             probs.append(msg.floats[off:off + m * vocab].view(m, vocab) if has_probs else None)
             off += m * vocab if has_probs else 0
-        return tokens, probs, codes, float(msg.floats[-1]), ints[pos]
+        chains, n_spans = ints[pos], ints[pos + 1]
+        spans = [(SPAN_NAMES.get(ints[pos + 2 + 3 * i], "draft"), ints[pos + 3 + 3 * i] / 1e6,
+                  ints[pos + 4 + 3 * i] / 1e6) for i in range(n_spans)]
+        return tokens, probs, codes, float(msg.floats[-1]), chains, spans
 
     def close(self) -> None:
         try:
@@ -165,11 +173,13 @@ class DraftClient:
 
 
 class SSDStep:
-    def __init__(self, target: ModelRunner, client: DraftClient, k: int, on_failure):
+    def __init__(self, target: ModelRunner, client: DraftClient, k: int, on_failure, tracer):
         self.target, self.client, self.k = target, client, k
         self.on_failure = on_failure
         self.stats = SSDStats()
         self.vocab = target.model.cfg.vocab_size
+        self.tracer = tracer
+        self.last_verify_s = 0.0
 
     def prefill(self, seqs: list[Sequence]) -> None:
         try:
@@ -177,7 +187,8 @@ class SSDStep:
                 self.client.add(s)
         except Exception as e:
             self.on_failure(e)
-        prefill_and_sample(self.target, seqs)
+        with self.tracer.span("target", "prefill"):
+            prefill_and_sample(self.target, seqs)
         for s in seqs:
             s.ssd_outcome = (0, s.output_token_ids[-1])
 
@@ -186,19 +197,24 @@ class SSDStep:
         reqs = [(s.seq_id, *s.ssd_outcome, k) for s, k in zip(seqs, k_eff)]
         t0 = time.perf_counter()
         try:
-            drafts, qs, codes, busy, chains = self.client.speculate(reqs, self.vocab)
+            drafts, qs, codes, busy, chains, spans = self.client.speculate(reqs, self.vocab, self.last_verify_s)
         except Exception as e:
             self.on_failure(e)
             from ssd.engine.ar import ARStep
-            ARStep(self.target).decode(seqs)
+            ARStep(self.target, self.tracer).decode(seqs)
             return
         t1 = time.perf_counter()
+        self.tracer.add("target", "wait", t0, t1)
+        for name, start, end in spans:
+            self.tracer.add("draft", name, start, end)
         for b, s in enumerate(seqs):     # the worker answers with k_eff tokens; trust but verify the length
             if len(drafts[b]) != k_eff[b]:
                 drafts[b], qs[b] = drafts[b][:k_eff[b]], None if qs[b] is None else qs[b][:k_eff[b]]
         before = [len(s.output_token_ids) for s in seqs]
         accepted = verify_and_commit(self.target, seqs, drafts, qs)
         t2 = time.perf_counter()
+        self.tracer.add("target", "verify", t1, t2)
+        self.last_verify_s = t2 - t1
         st = self.stats
         st.rounds += 1
         st.wait_s += t1 - t0

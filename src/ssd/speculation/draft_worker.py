@@ -73,6 +73,7 @@ class WorkerSeq:
     cached: int                         # main KV holds positions [0, cached) of ctx + spec
     round: int = 0
     spec: list[int] = field(default_factory=list)      # last speculation sent
+    source: str = "none"                                # where it came from: cache | neural | fast
     dists: dict[int, torch.Tensor] = field(default_factory=dict)  # draft ranking dist after ctx+spec[:k]
     chains: dict[tuple[int, int], Chain] = field(default_factory=dict)
 
@@ -91,13 +92,23 @@ class Reply:
 
 
 class DraftWorker:
-    def __init__(self, runner: ModelRunner, vocab: int, k: int, fanout_budget: int = 4,
-                 saguaro_c: float = 1.0, backup: str = "neural", max_chains: int = 64):
+    def __init__(self, runner: ModelRunner, vocab: int, k: int, fanout_budget: int | None = None,
+                 saguaro_c: float = 1.0, backup: str = "auto", max_chains: int = 64):
         self.runner = runner
         self.bm = runner.block_manager
         self.vocab = vocab
         self.k = k
-        self.budget = fanout_budget
+        # chains per sequence per round: fixed when given, else sized online so that pre-drafting
+        # fits inside one verification (halve when the answer request cut it short, +1 with slack)
+        self.fixed_budget = fanout_budget
+        self.budget = fanout_budget or 4
+        self.verify_s = 0.0          # last verification time, reported by the engine
+        self.predraft_s = 0.0        # how long the last complete pre-draft took
+        # measured per-round yield (tokens committed) by where the speculation came from, JIT cost
+        self.tokens_per_round = {"cache": EMA(self.k * 0.7 + 1), "neural": EMA(self.k * 0.7 + 1),
+                                 "fast": EMA(1.3)}
+        self.hit_rate = EMA(0.5)
+        self.jit_s = EMA(0.0)
         self.saguaro_c = saguaro_c
         self.backup = backup
         self.acceptance = AcceptanceEstimator()   # per-token acceptance a, measured online
@@ -109,6 +120,7 @@ class DraftWorker:
         self.scratch_slots = block_slots(self.bm.block_table(self._scratch_id), self.bm.block_size,
                                          max_chains * k)
         self.busy_s = 0.0
+        self.spans: list[tuple[int, float, float]] = []   # (1 answer | 2 predraft | 3 prefill, start, end)
         self.stats = {"hits": 0, "misses": 0, "hits_by_k": [0] * (k + 1), "misses_by_k": [0] * (k + 1),
                       "chains_drafted": 0}
 
@@ -121,7 +133,7 @@ class DraftWorker:
         self.runner.forward([ForwardItem(seq_id, tokens[cached:], cached, 0)])
         self.bm.commit(seq_id, tokens)
         self.seqs[seq_id] = WorkerSeq(seq_id, params, list(tokens), len(tokens))
-        self.busy_s += time.perf_counter() - t0
+        self._spent(3, t0)
 
     def free(self, seq_id: int) -> None:
         if self.seqs.pop(seq_id, None) is not None:
@@ -140,35 +152,77 @@ class DraftWorker:
             if s.spec:
                 self.stats["hits_by_k" if chain else "misses_by_k"][k] += 1
                 self.stats["hits" if chain else "misses"] += 1
+                self.tokens_per_round[s.source].update(k + 1)
+                self.hit_rate.update(float(chain is not None))
             self._commit_outcome(s, k, t)
             if chain is not None:
                 self._adopt(s, chain)
+                s.source = "cache"
                 replies.append(Reply(seq_id, chain.tokens, chain.probs, True, "cache"))
             elif want == 0:
                 s.spec, s.dists = [], {}
                 replies.append(Reply(seq_id, [], None, False, "none"))
             else:
-                fast = ngram_proposal(s.ctx, want) if self.backup == "fast" else None
+                fast = ngram_proposal(s.ctx, want) if self.choose_backup(len(requests)) == "fast" else None
                 if fast is not None:
-                    s.spec, s.dists = list(fast), {}
+                    s.spec, s.dists, s.source = list(fast), {}, "fast"
                     replies.append(Reply(seq_id, s.spec, None, False, "fast"))
                 else:
                     jit.append((s, k, t, want))
                     replies.append(None)
         if jit:
+            t_jit = time.perf_counter()
             chains = self._draft([Job(s, s.round - 1, k, t, len(s.ctx) - 1, want) for s, k, t, want in jit],
                                  main=True)
+            self.jit_s.update(time.perf_counter() - t_jit)
             it = iter(zip(jit, chains))
             for i, r in enumerate(replies):
                 if r is None:
                     (s, _, _, _), c = next(it)
-                    s.spec = c.tokens
+                    s.spec, s.source = c.tokens, "neural"
                     s.dists = {j: c.ranking[j] for j in range(len(c.tokens))}
                     replies[i] = Reply(s.seq_id, c.tokens, c.probs, False, "neural")
         for s in (self.seqs[r.seq_id] for r in replies):
             s.chains = {}
-        self.busy_s += time.perf_counter() - t0
+        self._spent(1, t0)
         return replies
+
+    def choose_backup(self, batch: int) -> str:
+        """neural | fast for a miss in a batch of `batch` sequences. One neural miss stalls the whole
+        batch for a just-in-time draft; a fast miss stalls nothing but yields fewer tokens. Compare the
+        expected tokens per second of both from measured hit rate, yields and times."""
+        if self.backup != "auto":
+            return self.backup
+        return "fast" if batch >= self.critical_batch() else "neural"
+
+    def critical_batch(self, limit: int = 256) -> int:
+        """The smallest batch size b* from which the fast backup is expected to be faster."""
+        h, v, jit = self.hit_rate.value, max(self.verify_s, 1e-4), self.jit_s.value
+        good, fast = self.tokens_per_round["neural"].value, self.tokens_per_round["fast"].value
+        hit_yield = self.tokens_per_round["cache"].value
+        for b in range(1, limit + 1):
+            neural = (h * hit_yield + (1 - h) * good) / (v + (1 - h ** b) * jit)
+            fast_rate = (h * hit_yield + (1 - h) * fast) / v
+            if fast_rate > neural:
+                return b
+        return limit + 1
+
+    def observe_verify(self, verify_s: float) -> None:
+        self.verify_s = verify_s
+
+    def _size_budget(self, completed: bool, took_s: float) -> None:
+        if self.fixed_budget is not None:
+            return
+        if not completed:
+            self.budget = max(1, self.budget // 2)
+        elif self.verify_s and took_s < 0.6 * self.verify_s:
+            self.budget = min(self.budget + 1, self.max_chains)
+
+    def _spent(self, kind: int, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.busy_s += t1 - t0
+        self.spans.append((kind, t0, t1))
+        del self.spans[:-256]     # bounded: the engine collects them with each answer
 
     def _update_acceptance(self, s: WorkerSeq, k: int, t: int) -> None:
         if not s.spec:
@@ -290,7 +344,8 @@ class DraftWorker:
         if chains:
             for j, c in zip(jobs, chains):
                 j.seq.chains[(j.k, j.bonus)] = c
-        self.busy_s += time.perf_counter() - t0
+        self._size_budget(chains is not None, time.perf_counter() - t0)
+        self._spent(2, t0)
         return len(chains or [])
 
     def _catch_up(self, seqs: list[WorkerSeq]) -> None:
@@ -322,6 +377,14 @@ class DraftWorker:
                     s.dists[k] = pr[r]
 
 
+class EMA:
+    def __init__(self, value: float, alpha: float = 0.1):
+        self.value, self.alpha = value, alpha
+
+    def update(self, x: float) -> None:
+        self.value += self.alpha * (x - self.value)
+
+
 def _chain_seed(seed: int, seq_id: int, rnd: int, k: int, t: int) -> int:
     h = hashlib.blake2b(f"{seed}:{seq_id}:{rnd}:{k}:{t}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
@@ -329,7 +392,7 @@ def _chain_seed(seed: int, seq_id: int, rnd: int, k: int, t: int) -> int:
 
 # ---- the worker process -------------------------------------------------------------------------
 def serve(host: str, port: int, model: str, dtype: str, k: int, threads: int | None, cores: list[int] | None,
-          fanout_budget: int, saguaro_c: float, backup: str, timeout_s: float, num_blocks: int,
+          fanout_budget: int | None, saguaro_c: float, backup: str, timeout_s: float, num_blocks: int,
           block_size: int, max_model_len: int) -> None:
     """Join the engine's process group as rank 1, load the draft and serve until SHUTDOWN."""
     import os
@@ -376,6 +439,8 @@ def handle(worker: DraftWorker, chan, msg) -> None:
     elif msg.kind == Msg.SPECULATE:
         n = ints[0]
         reqs = [tuple(ints[1 + 4 * i:5 + 4 * i]) for i in range(n)]
+        if msg.floats.numel():
+            worker.observe_verify(float(msg.floats[0]))
         replies = worker.speculate(reqs)
         out_ints, out_probs = [n], []
         for r in replies:
@@ -383,7 +448,10 @@ def handle(worker: DraftWorker, chan, msg) -> None:
             out_ints += [code, int(r.probs is not None), len(r.tokens), *r.tokens]
             if r.probs is not None:
                 out_probs.append(r.probs.reshape(-1))
-        out_ints += [worker.stats["chains_drafted"]]
+        out_ints += [worker.stats["chains_drafted"], len(worker.spans)]
+        for kind, start, end in worker.spans:
+            out_ints += [kind, int(start * 1e6), int(end * 1e6)]
+        worker.spans.clear()
         busy = torch.tensor([worker.busy_s], dtype=torch.float32)
         chan.send(Msg.SPECULATION, out_ints, torch.cat(out_probs + [busy]))
     else:
@@ -400,9 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to pin to")
-    p.add_argument("--fanout-budget", type=int, default=4)
+    p.add_argument("--fanout-budget", type=int, default=None, help="chains per sequence per round (default: auto)")
     p.add_argument("--saguaro-c", type=float, default=1.0)
-    p.add_argument("--backup", choices=["neural", "fast"], default="neural")
+    p.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=16)
