@@ -203,12 +203,14 @@ def test_prefdraft_budget_sizes_itself_to_the_verify_time(tiny_pair):
 
     w = LocalDraftClient(tiny_pair[1], k=3).worker
     w.budget, w.verify_s = 8, 0.2
-    w._size_budget(completed=False, took_s=0.2)              # cut short by the engine's request
+    w._size_budget(completed=False, late=False, took_s=0.2)  # cut short by the engine's request
     assert w.budget == 4
-    w._size_budget(completed=True, took_s=0.05)              # finished with slack
-    assert w.budget == 5
-    w._size_budget(completed=True, took_s=0.19)              # finished just in time: keep
-    assert w.budget == 5
+    w._size_budget(completed=True, late=True, took_s=0.25)   # finished after the engine asked: it waited
+    assert w.budget == 2
+    w._size_budget(completed=True, late=False, took_s=0.05)  # finished with slack
+    assert w.budget == 3
+    w._size_budget(completed=True, late=False, took_s=0.19)  # finished just in time: keep
+    assert w.budget == 3
 
 
 def test_trace_has_target_and_draft_spans(monkeypatch, tiny_pair, tmp_path):

@@ -13,7 +13,9 @@ COLORS = {"prefill": "#999999", "decode": "#1f77b4", "verify": "#1f77b4", "draft
 def window(spans: list[tuple[str, str, float, float]], skip_rounds: int = 3, length_s: float = 1.5):
     """Spans (track, name, start, end) inside a window that starts at the (skip_rounds+1)-th target
     decode/verify span, times made relative to it."""
-    rounds = sorted(s[2] for s in spans if s[0] == "target" and s[1] in ("decode", "verify"))
+    prefills = [s[3] for s in spans if s[0] == "target" and s[1] == "prefill"]
+    after = max(prefills, default=float("-inf"))     # the last request's decoding, unbroken by prefills
+    rounds = sorted(s[2] for s in spans if s[0] == "target" and s[1] in ("decode", "verify") and s[2] >= after)
     if not rounds:
         return []
     t0 = rounds[min(skip_rounds, len(rounds) - 1)]

@@ -96,7 +96,7 @@ class DraftClient:
                 cmd += ["--cores", ",".join(map(str, cores))]
             self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
         self._join(host, port, timeout_s)
-        self.chan = Channel(peer=1)
+        self.chan = Channel(peer=1, store=self._store)
         msg = self.chan.recv()
         if msg.kind == Msg.ERROR:
             self.close()
@@ -107,7 +107,12 @@ class DraftClient:
     def _join(self, host: str, port: int, timeout_s: float) -> None:
         """Rendezvous without hanging on a worker that died before joining."""
         err: list[BaseException] = []
-        t = threading.Thread(target=lambda: _catch(err, init_group, host, port, 0, timeout_s), daemon=True)
+        self._store = None
+
+        def join():
+            self._store = init_group(host, port, 0, timeout_s)
+
+        t = threading.Thread(target=lambda: _catch(err, join), daemon=True)
         t.start()
         deadline = time.monotonic() + timeout_s
         while t.is_alive():

@@ -210,10 +210,12 @@ class DraftWorker:
     def observe_verify(self, verify_s: float) -> None:
         self.verify_s = verify_s
 
-    def _size_budget(self, completed: bool, took_s: float) -> None:
+    def _size_budget(self, completed: bool, late: bool, took_s: float) -> None:
+        """Pre-drafting must end before the verification does. Cut short, or finished after the
+        engine had already asked (it waited): halve. Finished with room to spare: one more chain."""
         if self.fixed_budget is not None:
             return
-        if not completed:
+        if not completed or late:
             self.budget = max(1, self.budget // 2)
         elif self.verify_s and took_s < 0.6 * self.verify_s:
             self.budget = min(self.budget + 1, self.max_chains)
@@ -282,6 +284,7 @@ class DraftWorker:
         scratch = [self.scratch_slots[i * self.k:(i + 1) * self.k] for i in range(n)]
         for step in range(max(j.want for j in jobs)):
             if poll is not None and poll():
+                log.debug("pre-draft stopped at step %d: the engine is asking", step)
                 return None
             active = [i for i in range(n) if jobs[i].want > step]
             items = []
@@ -344,7 +347,10 @@ class DraftWorker:
         if chains:
             for j, c in zip(jobs, chains):
                 j.seq.chains[(j.k, j.bonus)] = c
-        self._size_budget(chains is not None, time.perf_counter() - t0)
+        late = chains is not None and poll is not None and poll()
+        log.debug("pre-draft: %d chains, budget %d, late %s, %.0f ms (verify %.0f ms)", len(jobs), self.budget, late,
+                  1e3 * (time.perf_counter() - t0), 1e3 * self.verify_s)
+        self._size_budget(chains is not None, late, time.perf_counter() - t0)
         self._spent(2, t0)
         return len(chains or [])
 
@@ -404,8 +410,8 @@ def serve(host: str, port: int, model: str, dtype: str, k: int, threads: int | N
         os.sched_setaffinity(0, cores)
     if threads:
         torch.set_num_threads(threads)
-    init_group(host, port, rank=1, timeout_s=timeout_s)
-    chan = Channel(peer=0)
+    store = init_group(host, port, rank=1, timeout_s=timeout_s)
+    chan = Channel(peer=0, store=store)
     try:
         loaded = load_model(model, dtype, "cpu", max_model_len + 32, progress=False)
         runner = ModelRunner(loaded.model, num_blocks, block_size, torch.device("cpu"))
@@ -417,9 +423,8 @@ def serve(host: str, port: int, model: str, dtype: str, k: int, threads: int | N
     log.info("draft worker ready (pid %d, cores %s, threads %d)", os.getpid(), cores, torch.get_num_threads())
     with torch.inference_mode():
         while True:
-            pending = chan.start_recv()
-            worker.predraft(poll=pending[1].is_completed)
-            msg = chan.finish_recv(pending)
+            worker.predraft(poll=chan.pending)
+            msg = chan.recv()
             if msg.kind == Msg.SHUTDOWN:
                 break
             handle(worker, chan, msg)
@@ -477,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
                         format="%(levelname)s draft-worker: %(message)s")
     host, port = a.connect.rsplit(":", 1)
     cores = [int(c) for c in a.cores.split(",")] if a.cores else None

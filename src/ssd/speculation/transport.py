@@ -35,12 +35,28 @@ class Message:
 
 
 class Channel:
-    """Point-to-point messages with one peer over the default process group."""
+    """Point-to-point messages with one peer over the default process group.
 
-    def __init__(self, peer: int):
+    A doorbell counter in the rendezvous store lets a busy receiver ask "has a message arrived?"
+    between pieces of work (gloo's irecv cannot be polled: it completes only inside wait())."""
+
+    def __init__(self, peer: int, store=None):
         self.peer = peer
+        self.store = store
+        self.received = 0
+
+    def _bell_key(self, to: int) -> str:
+        return f"doorbell-{to}"
+
+    def pending(self) -> bool:
+        """True when the peer has sent a message this side has not received yet."""
+        if self.store is None:
+            return False
+        return self.store.add(self._bell_key(dist.get_rank()), 0) > self.received
 
     def send(self, kind: Msg, ints=None, floats=None) -> None:
+        if self.store is not None:      # ring first: gloo's send blocks until the peer receives
+            self.store.add(self._bell_key(self.peer), 1)
         it = torch.as_tensor(ints if ints is not None else [], dtype=torch.long).reshape(-1)
         ft = torch.as_tensor(floats if floats is not None else [], dtype=torch.float32).reshape(-1)
         dist.send(torch.tensor([int(kind), it.numel(), ft.numel(), 0], dtype=torch.long), self.peer)
@@ -67,6 +83,7 @@ class Channel:
             dist.recv(ints, self.peer)
         if nf:
             dist.recv(floats, self.peer)
+        self.received += 1
         return Message(Msg(kind), ints, floats)
 
 
@@ -76,9 +93,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(host: str, port: int, rank: int, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=timeout_s))
+def init_group(host: str, port: int, rank: int, timeout_s: float):
+    """Rendezvous through a TCP store hosted by rank 0 (the engine); returns the store."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    return store
 
 
 def error_message(text: str) -> list[int]:
