@@ -11,12 +11,14 @@ from ssd.speculation.draft_worker import DraftWorker, SeqParams
 
 
 class LocalDraftClient:
-    def __init__(self, draft_path, k: int, predraft: bool = True, tamper=None, **worker_kw):
+    def __init__(self, draft_path, k: int, predraft: bool = True, tamper=None, stop_after_steps: int | None = None,
+                 **worker_kw):
         lm = load_model(str(draft_path), "float32", "cpu", 512, progress=False)
         self.worker = DraftWorker(ModelRunner(lm.model, 512, 16, torch.device("cpu")), lm.config.vocab_size, k,
                                   **worker_kw)
         self.predraft = predraft
         self.tamper = tamper
+        self.stop_after_steps = stop_after_steps   # simulate the engine asking mid pre-draft
 
     def add(self, seq) -> None:
         p = seq.params
@@ -30,11 +32,13 @@ class LocalDraftClient:
     def speculate(self, reqs, vocab, verify_s=0.0):
         self.worker.observe_verify(verify_s)
         if self.predraft:
-            self.worker.predraft()
+            polls = iter(range(10**9))
+            stop = self.stop_after_steps
+            self.worker.predraft(poll=None if stop is None else (lambda: next(polls) >= stop))
         replies = self.worker.speculate([tuple(r) for r in reqs])
         if self.tamper:
             replies = [self.tamper(self.worker, r) for r in replies]
-        codes = [{"cache": 1, "neural": 0, "fast": 2, "none": 0}[r.backup] for r in replies]
+        codes = [{"cache": 1, "neural": 0, "fast": 2, "none": 0, "partial": 3}[r.backup] for r in replies]
         spans = [({1: "answer", 2: "predraft", 3: "prefill"}[k], a, b) for k, a, b in self.worker.spans]
         self.worker.spans.clear()
         return ([r.tokens for r in replies], [r.probs for r in replies], codes, self.worker.busy_s,

@@ -231,3 +231,23 @@ def test_trace_has_target_and_draft_spans(monkeypatch, tiny_pair, tmp_path):
     events = json.loads((tmp_path / "ssd.json").read_text())["traceEvents"]
     names = {(e.get("cat"), e["name"]) for e in events if e["ph"] == "X"}
     assert {("target", "verify"), ("target", "wait"), ("draft", "answer"), ("draft", "predraft")} <= names
+
+
+def test_partial_chains_are_resumed_exactly(monkeypatch, tiny_pair, ar_ref):
+    """Pre-drafting cut short after 2 of 3 steps: the miss path finishes the partial chain."""
+    llm, client = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[0], stop_after_steps=2, backup="neural")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref
+    assert llm.engine.step_impl.stats.partial_hits > 0 and llm.engine.step_impl.stats.hits == 0
+
+
+@pytest.mark.parametrize("how", [dict(predraft=False), dict(stop_after_steps=1), dict(stop_after_steps=2)])
+def test_seeded_ssd_output_does_not_depend_on_predraft_timing(monkeypatch, tiny_pair, how):
+    """Chains are seeded by (seed, round, k, t): full hits, partial chains and just-in-time drafting give
+    the same tokens at temperature > 0."""
+    p = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in range(4)]
+    full, _ = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[0], backup="neural", saguaro_c=0.5, fanout_budget=3)
+    ref = [o.token_ids for o in full.generate(PROMPTS[:4], p)]
+    assert full.engine.step_impl.stats.hits > 0
+    other, _ = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[0], backup="neural", saguaro_c=0.5, fanout_budget=3,
+                         **how)
+    assert [o.token_ids for o in other.generate(PROMPTS[:4], p)] == ref

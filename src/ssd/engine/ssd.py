@@ -38,6 +38,7 @@ class SSDStats:
     hits: int = 0
     misses: int = 0
     fast_backups: int = 0
+    partial_hits: int = 0        # misses served by finishing a partially pre-drafted chain
     hits_by_k: list[int] = field(default_factory=list)
     misses_by_k: list[int] = field(default_factory=list)
     tokens_on_hit: int = 0
@@ -65,7 +66,7 @@ class SSDStats:
         wall = max(time.perf_counter() - self.started, 1e-9)
         asked = self.hits + self.misses
         return {"cache_hit_rate": self.hits / asked if asked else None, "hits": self.hits, "misses": self.misses,
-                "fast_backups": self.fast_backups,
+                "fast_backups": self.fast_backups, "partial_hits": self.partial_hits,
                 "hit_rate_by_k": [h / (h + m) if h + m else None for h, m in zip(self.hits_by_k, self.misses_by_k)],
                 "tokens_per_round_on_hit": self.tokens_on_hit / self.hits if self.hits else None,
                 "tokens_per_round_on_miss": self.tokens_on_miss / self.misses if self.misses else None,
@@ -229,6 +230,7 @@ class SSDStep:
             if s.spec.rounds > 1:   # the first round after prefill has no speculation to hit
                 st.record(k_prev, code == 1, len(s.output_token_ids) - b0, self.k)
             st.fast_backups += code == 2
+            st.partial_hits += code == 3
             s.ssd_outcome = (n, s.output_token_ids[-1])
             s.ssd_hits = getattr(s, "ssd_hits", 0) + (code == 1)
 

@@ -43,14 +43,24 @@ class SeqParams:
 
 @dataclass
 class Chain:
-    """K draft tokens following outcome (k, t), with the distributions they were sampled from."""
+    """Draft tokens following outcome (k, t) (up to `want`; fewer when pre-drafting was cut short),
+    with the distributions they were sampled from and the generator that continues them."""
 
     k: int
     bonus: int
-    tokens: list[int]
-    probs: torch.Tensor | None          # [K, V] proposal actually sampled (None when greedy)
-    ranking: torch.Tensor               # [K, V] draft distribution at each position (picks candidates)
-    scratch: torch.Tensor | None = None  # cache slots holding KV of [bonus, tokens[:-1]]
+    want: int
+    gen: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)    # proposal actually sampled (empty when greedy)
+    ranking: list[torch.Tensor] = field(default_factory=list)  # draft distribution per position (candidates)
+    region: int | None = None           # scratch region holding KV of [bonus, tokens[:-1]] (pre-drafted)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.tokens) >= self.want
+
+    def probs_tensor(self) -> torch.Tensor | None:
+        return torch.stack(self.probs) if self.probs else None
 
 
 @dataclass
@@ -63,6 +73,7 @@ class Job:
     bonus: int
     pos: int
     want: int
+    chain: Chain | None = None       # resume this partially drafted chain
 
 
 @dataclass
@@ -108,6 +119,9 @@ class DraftWorker:
         self.tokens_per_round = {"cache": EMA(self.k * 0.7 + 1), "neural": EMA(self.k * 0.7 + 1),
                                  "fast": EMA(1.3)}
         self.hit_rate = EMA(0.5)
+        # Saguaro's top-F per position is fixed at start (prior a and r): the distribution a chain is
+        # sampled from must not depend on online estimates, which differ with pre-draft timing.
+        self.saguaro_fan = geometric_fanout(0.7, MissCurveEstimator().r, k, max(self.budget, k + 1))
         self.jit_s = EMA(0.0)
         self.saguaro_c = saguaro_c
         self.backup = backup
@@ -119,10 +133,11 @@ class DraftWorker:
         self.bm.allocate(self._scratch_id, [0] * (max_chains * k + 1))
         self.scratch_slots = block_slots(self.bm.block_table(self._scratch_id), self.bm.block_size,
                                          max_chains * k)
+        self.free_regions = list(range(max_chains))   # scratch regions of K slots, one per live chain
         self.busy_s = 0.0
         self.spans: list[tuple[int, float, float]] = []   # (1 answer | 2 predraft | 3 prefill, start, end)
         self.stats = {"hits": 0, "misses": 0, "hits_by_k": [0] * (k + 1), "misses_by_k": [0] * (k + 1),
-                      "chains_drafted": 0}
+                      "chains_drafted": 0, "partial_hits": 0}
 
     # ---- sequence lifecycle -----------------------------------------------------------------
     def add(self, seq_id: int, tokens: list[int], params: SeqParams) -> None:
@@ -136,54 +151,70 @@ class DraftWorker:
         self._spent(3, t0)
 
     def free(self, seq_id: int) -> None:
-        if self.seqs.pop(seq_id, None) is not None:
+        s = self.seqs.pop(seq_id, None)
+        if s is not None:
+            self._drop_chains(s)
             self.bm.free(seq_id)
+
+    def _drop_chains(self, s: WorkerSeq) -> None:
+        self.free_regions += [c.region for c in s.chains.values() if c.region is not None]
+        s.chains = {}
+
+    def _region_slots(self, region: int) -> torch.Tensor:
+        return self.scratch_slots[region * self.k:(region + 1) * self.k]
 
     # ---- answering ----------------------------------------------------------------------------
     def speculate(self, requests: list[tuple[int, int, int, int]]) -> list[Reply]:
         """requests: (seq_id, accepted k, bonus t, tokens wanted). Applies each outcome and returns
-        the next speculation: from the cache on a hit, else from the backup."""
+        the next speculation: from the cache on a hit; else the backup, which resumes a partially
+        pre-drafted chain for that outcome when there is one."""
         t0 = time.perf_counter()
-        replies, jit = [], []
+        replies: list[Reply | None] = []
+        jit: list[tuple[int, Job]] = []
         for seq_id, k, t, want in requests:
             s = self.seqs[seq_id]
             chain = s.chains.get((k, t)) if want == self.k else None
+            full = chain is not None and chain.complete
             self._update_acceptance(s, k, t)
             if s.spec:
-                self.stats["hits_by_k" if chain else "misses_by_k"][k] += 1
-                self.stats["hits" if chain else "misses"] += 1
+                self.stats["hits_by_k" if full else "misses_by_k"][k] += 1
+                self.stats["hits" if full else "misses"] += 1
                 self.tokens_per_round[s.source].update(k + 1)
-                self.hit_rate.update(float(chain is not None))
+                self.hit_rate.update(float(full))
+            rnd = s.round
             self._commit_outcome(s, k, t)
-            if chain is not None:
+            if full:
                 self._adopt(s, chain)
                 s.source = "cache"
-                replies.append(Reply(seq_id, chain.tokens, chain.probs, True, "cache"))
+                replies.append(Reply(seq_id, chain.tokens, chain.probs_tensor(), True, "cache"))
             elif want == 0:
                 s.spec, s.dists = [], {}
                 replies.append(Reply(seq_id, [], None, False, "none"))
             else:
-                fast = ngram_proposal(s.ctx, want) if self.choose_backup(len(requests)) == "fast" else None
+                fast = None
+                if chain is None and self.choose_backup(len(requests)) == "fast":
+                    fast = ngram_proposal(s.ctx, want)
                 if fast is not None:
                     s.spec, s.dists, s.source = list(fast), {}, "fast"
                     replies.append(Reply(seq_id, s.spec, None, False, "fast"))
                 else:
-                    jit.append((s, k, t, want))
+                    if chain is not None and chain.tokens:
+                        self._adopt(s, chain)        # keep what was pre-drafted, draft the rest now
+                        self.stats["partial_hits"] += 1
+                    jit.append((len(replies), Job(s, rnd, k, t, len(s.ctx) - 1, want, chain)))
                     replies.append(None)
         if jit:
             t_jit = time.perf_counter()
-            chains = self._draft([Job(s, s.round - 1, k, t, len(s.ctx) - 1, want) for s, k, t, want in jit],
-                                 main=True)
+            chains, _ = self._draft([j for _, j in jit], main=True)
             self.jit_s.update(time.perf_counter() - t_jit)
-            it = iter(zip(jit, chains))
-            for i, r in enumerate(replies):
-                if r is None:
-                    (s, _, _, _), c = next(it)
-                    s.spec, s.source = c.tokens, "neural"
-                    s.dists = {j: c.ranking[j] for j in range(len(c.tokens))}
-                    replies[i] = Reply(s.seq_id, c.tokens, c.probs, False, "neural")
-        for s in (self.seqs[r.seq_id] for r in replies):
-            s.chains = {}
+            for (i, job), c in zip(jit, chains):
+                s = job.seq
+                s.spec, s.source = c.tokens, "neural"
+                s.dists = dict(enumerate(c.ranking))
+                replies[i] = Reply(s.seq_id, c.tokens, c.probs_tensor(), False,
+                                   "partial" if job.chain is not None and job.chain.tokens else "neural")
+        for r in replies:
+            self._drop_chains(self.seqs[r.seq_id])
         self._spent(1, t0)
         return replies
 
@@ -251,16 +282,17 @@ class DraftWorker:
         self.bm.commit(s.seq_id, s.ctx[:keep])
 
     def _adopt(self, s: WorkerSeq, chain: Chain) -> None:
-        """Make a hit chain the sequence's state: copy its KV (bonus + first K-1 tokens) into the main
-        cache instead of recomputing it."""
+        """Make a pre-drafted chain the sequence's state: copy its KV (bonus + all but its last token)
+        into the main cache instead of recomputing it."""
         base = len(s.ctx) - 1               # position of the bonus token
-        if s.cached == base:
-            self.bm.append(s.seq_id, self.k)
-            dst = block_slots(self.bm.block_table(s.seq_id), self.bm.block_size, base + self.k)[base:]
-            self.runner.copy_slots(chain.scratch, dst)
-            s.cached = base + self.k
-        s.spec = chain.tokens
-        s.dists = {j: chain.ranking[j] for j in range(len(chain.tokens))}
+        n = len(chain.tokens)
+        if s.cached == base and n:
+            self.bm.append(s.seq_id, max(0, base + n - self.bm.num_tokens(s.seq_id)))
+            dst = block_slots(self.bm.block_table(s.seq_id), self.bm.block_size, base + n)[base:]
+            self.runner.copy_slots(self._region_slots(chain.region)[:n], dst)
+            s.cached = base + n
+        s.spec = list(chain.tokens)
+        s.dists = dict(enumerate(chain.ranking))
 
     # ---- drafting -----------------------------------------------------------------------------
     def _params_rows(self, seqs: list[WorkerSeq]):
@@ -269,59 +301,60 @@ class DraftWorker:
         top_p = torch.tensor([s.params.top_p for s in seqs])
         return temp, top_k, top_p
 
-    def _draft(self, jobs: list[Job], main: bool, poll=None) -> list[Chain] | None:
-        """Draft each job's tokens, all jobs batched per step. main=True extends the sequence's own
-        cache (just-in-time backup); otherwise each chain writes its KV to scratch slots and attends
-        to the main cache up to its branch point. Returns None when `poll()` asks to stop early."""
-        n = len(jobs)
-        tokens: list[list[int]] = [[] for _ in jobs]
-        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
-        ranks: list[list[torch.Tensor]] = [[] for _ in jobs]
-        gens = [torch.Generator().manual_seed(_chain_seed(j.seq.params.seed, j.seq.seq_id, j.rnd, j.k, j.bonus))
-                for j in jobs]
+    def _draft(self, jobs: list[Job], main: bool, poll=None) -> tuple[list[Chain], bool]:
+        """Draft each job's chain up to `want` tokens, all jobs batched per step. main=True extends the
+        sequence's own cache (just-in-time backup, possibly resuming a partial chain); otherwise each
+        chain writes its KV to its scratch region and attends to the main cache up to its branch
+        point. Stops early (returns stopped=True, chains partial) when `poll()` says the engine asks."""
+        chains = []
+        for j in jobs:
+            c = j.chain or Chain(j.k, j.bonus, j.want, torch.Generator().manual_seed(
+                _chain_seed(j.seq.params.seed, j.seq.seq_id, j.rnd, j.k, j.bonus)))
+            if not main and c.region is None:
+                c.region = self.free_regions.pop()
+            chains.append(c)
         temp, top_k, top_p = self._params_rows([j.seq for j in jobs])
-        fan = self.plan(self.budget)
-        scratch = [self.scratch_slots[i * self.k:(i + 1) * self.k] for i in range(n)]
-        for step in range(max(j.want for j in jobs)):
+        while True:
+            active = [i for i, c in enumerate(chains) if len(c.tokens) < jobs[i].want]
+            if not active:
+                break
             if poll is not None and poll():
-                log.debug("pre-draft stopped at step %d: the engine is asking", step)
-                return None
-            active = [i for i in range(n) if jobs[i].want > step]
+                log.debug("pre-draft stopped: the engine is asking")
+                return chains, True
             items = []
             for i in active:
-                j = jobs[i]
-                s, pos = j.seq, j.pos + step
-                feed = [j.bonus] if step == 0 else [tokens[i][-1]]
+                j, c = jobs[i], chains[i]
+                s, cur = j.seq, len(c.tokens)
+                pos = j.pos + cur                                # position of the token fed now
                 if main:
-                    start = pos
-                    if step == 0:
-                        start = min(s.cached, pos)
-                        feed = s.ctx[start:pos + 1]
+                    start = min(s.cached, pos)
+                    feed = (s.ctx + c.tokens)[start:pos + 1]
                     need = pos + 1 - self.bm.num_tokens(s.seq_id)
                     if need > 0:
                         self.bm.append(s.seq_id, need)
                     items.append(ForwardItem(s.seq_id, feed, start))
                     s.cached = pos + 1
                 else:
+                    feed = [j.bonus] if cur == 0 else [c.tokens[-1]]
                     main_slots = block_slots(self.bm.block_table(s.seq_id), self.bm.block_size, j.pos)
-                    items.append(ForwardItem(s.seq_id, feed, pos, 1, torch.cat([main_slots, scratch[i][:step + 1]])))
+                    own = self._region_slots(c.region)[:cur + 1]
+                    items.append(ForwardItem(s.seq_id, feed, pos, 1, torch.cat([main_slots, own])))
             logits = torch.cat(self.runner.forward(items))[:, :self.vocab].float()
             rows = torch.tensor(active)
             q = logits_to_probs(logits, temp[rows], top_k[rows], top_p[rows])
             soft = torch.softmax(logits / temp[rows].clamp_min(1e-3).where(temp[rows] > 0, 1.0).unsqueeze(1), -1)
             for r, i in enumerate(active):
-                ranks[i].append(soft[r])
+                c = chains[i]
+                c.ranking.append(soft[r])
                 if jobs[i].seq.params.greedy:
-                    tokens[i].append(int(q[r].argmax()))
+                    c.tokens.append(int(q[r].argmax()))
                     continue
-                qp = saguaro_proposal(q[r], fan[min(step, self.k)], self.saguaro_c)
-                tokens[i].append(int(sample(qp.unsqueeze(0), [gens[i]])[0]))
-                probs[i].append(qp)
+                qp = saguaro_proposal(q[r], self.saguaro_fan[min(len(c.tokens), self.k)], self.saguaro_c)
+                c.tokens.append(int(sample(qp.unsqueeze(0), [c.gen])[0]))
+                c.probs.append(qp)
         if not main:
-            self.stats["chains_drafted"] += n
-        return [Chain(j.k, j.bonus, tokens[i], torch.stack(probs[i]) if probs[i] else None,
-                      torch.stack(ranks[i]), None if main else scratch[i][:j.want])
-                for i, j in enumerate(jobs)]
+            self.stats["chains_drafted"] += len(jobs)
+        return chains, False
 
     def predraft(self, poll=None) -> int:
         """Fill the speculation cache of every sequence for its likely outcomes. Returns chains built."""
@@ -342,17 +375,18 @@ class DraftWorker:
                     dist[s.spec[k]] = -1.0          # a rejected token is never the bonus
                 for t in dist.topk(fan[k]).indices.tolist():
                     jobs.append(Job(s, s.round, k, t, len(s.ctx) + k, self.k))
-        jobs = jobs[:self.max_chains]
-        chains = self._draft(jobs, main=False, poll=poll) if jobs else None
-        if chains:
-            for j, c in zip(jobs, chains):
-                j.seq.chains[(j.k, j.bonus)] = c
-        late = chains is not None and poll is not None and poll()
+        jobs = jobs[:len(self.free_regions)]
+        if not jobs:
+            return 0
+        chains, stopped = self._draft(jobs, main=False, poll=poll)
+        for j, c in zip(jobs, chains):
+            j.seq.chains[(j.k, j.bonus)] = c       # partial chains too: a miss resumes them
+        late = not stopped and poll is not None and poll()
         log.debug("pre-draft: %d chains, budget %d, late %s, %.0f ms (verify %.0f ms)", len(jobs), self.budget, late,
                   1e3 * (time.perf_counter() - t0), 1e3 * self.verify_s)
-        self._size_budget(chains is not None, late, time.perf_counter() - t0)
+        self._size_budget(not stopped, late, time.perf_counter() - t0)
         self._spent(2, t0)
-        return len(chains or [])
+        return len(chains)
 
     def _catch_up(self, seqs: list[WorkerSeq]) -> None:
         """Feed the speculation tokens the main cache lacks and record the draft's distribution at
@@ -449,7 +483,7 @@ def handle(worker: DraftWorker, chan, msg) -> None:
         replies = worker.speculate(reqs)
         out_ints, out_probs = [n], []
         for r in replies:
-            code = {"cache": 1, "neural": 0, "fast": 2, "none": 0}[r.backup]
+            code = {"cache": 1, "neural": 0, "fast": 2, "none": 0, "partial": 3}[r.backup]
             out_ints += [code, int(r.probs is not None), len(r.tokens), *r.tokens]
             if r.probs is not None:
                 out_probs.append(r.probs.reshape(-1))
