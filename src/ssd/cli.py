@@ -202,7 +202,7 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
 
 def cmd_chat(args) -> int:
     params = _params(args)      # validate before loading models
-    llm = _llm(args, trace=bool(args.trace))
+    llm = _llm(args, trace=False)
     return chat_repl(llm, params, system=args.system, show_metrics=args.metrics)
 
 
