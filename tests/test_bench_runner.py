@@ -133,10 +133,22 @@ def test_summarize_ratios():
     (dict(k=0), "k must be"),
     (dict(prompts=None, datasets=["nope"]), "dataset"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(placement="nowhere"), "placement"),
+    (dict(modes=["ar", "ssd"], placement="equal", threads=1), "needs --threads larger"),
 ])
 def test_config_validation(tiny_pair, tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         _cfg(tiny_pair, tmp_path, **kw)
+
+
+def test_placement_sets_ssd_target_threads(tiny_pair, tmp_path):
+    from ssd.bench.runner import mode_threads
+
+    paper = _cfg(tiny_pair, tmp_path, modes=["ar", "sd", "ssd"], threads=2)
+    assert [mode_threads(paper, m) for m in ("ar", "sd", "ssd")] == [2, 2, 2]
+    equal = _cfg(tiny_pair, tmp_path, modes=["ar", "sd", "ssd"], threads=3, placement="equal",
+                 ssd_options={"draft_threads": 2})
+    assert [mode_threads(equal, m) for m in ("ar", "sd", "ssd")] == [3, 3, 1]
 
 
 def test_cli_parser(capsys):
@@ -146,7 +158,7 @@ def test_cli_parser(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for opt in ("--modes", "--k", "--datasets", "--num-prompts", "--max-tokens", "--batch-size", "--peers",
-                "--no-bandwidth", "--quick", "--out-dir", "--stem", "--model", "--draft", "--threads", "--dtype"):
+                "--no-bandwidth", "--quick", "--placement", "--out-dir", "--stem", "--model", "--draft", "--threads", "--dtype"):
         assert opt in out
 
     from ssd.bench.cli import config_from_args

@@ -52,6 +52,15 @@ def test_sd_greedy_equals_ar(tiny_pair, ar_outputs, k, draft):
     assert (rate == 1.0) if draft == "self" else (rate < 0.5)
 
 
+def test_sd_with_int8_draft_equals_ar(tiny_pair, ar_outputs):
+    """The draft's numerics (int8 here) change acceptance, never the tokens."""
+    target, _ = tiny_pair
+    sd = LLM(str(target), draft=str(target), k=3, dtype="float32", draft_dtype="int8", progress=False)
+    assert sd.draft_dtype == "int8"
+    assert [o.token_ids for o in sd.generate(PROMPTS, GREEDY)] == ar_outputs
+    assert 0.5 < sd.last_stats["acceptance_rate"] <= 1.0
+
+
 def test_seed_reproducible_regardless_of_batch_mates(ar):
     p = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
     alone = ar.generate("hello", p)[0].token_ids

@@ -73,3 +73,26 @@ def test_fbgemm_fp16_path_close_to_fp32(tiny_hf):
         ref = hf(torch.tensor([tokens])).logits[0].float()
     out = run_chunks(ours, tokens, [20, 1, 6])
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
+
+
+def test_fbgemm_int8_path_close_to_fp32(tiny_hf):
+    """int8 (draft) weights: about 1% error per layer, so logits stay close; exactness never depends on it."""
+    kind, path, hf = tiny_hf
+    ours = build_ours(path, dtype=torch.float16, packed="int8")
+    assert all(m.backend == "int8" for m in ours.modules() if hasattr(m, "backend"))
+    tokens = list(range(3, 30))
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0].float()
+    out = run_chunks(ours, tokens, [20, 1, 6])
+    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_draft_dtype_default_is_int8_only_for_auto_on_cpu():
+    from ssd.layers.linear import fbgemm_fp16_available
+    from ssd.models.loader import draft_dtype_for
+
+    assert draft_dtype_for("auto", None, "cpu") == ("int8" if fbgemm_fp16_available() else "auto")
+    assert draft_dtype_for("float32", None, "cpu") == "float32"
+    assert draft_dtype_for("auto", "float16", "cpu") == "float16"
+    assert draft_dtype_for("auto", None, "cuda:0") == "auto"

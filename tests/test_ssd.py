@@ -207,10 +207,14 @@ def test_prefdraft_budget_sizes_itself_to_the_verify_time(tiny_pair):
     assert w.budget == 4
     w._size_budget(completed=True, late=True, took_s=0.25)   # finished after the engine asked: it waited
     assert w.budget == 2
-    w._size_budget(completed=True, late=False, took_s=0.05)  # finished with slack
+    w._size_budget(completed=True, late=False, took_s=0.05)  # slack: 0.05 * 3/2 < 0.9 * 0.2
     assert w.budget == 3
-    w._size_budget(completed=True, late=False, took_s=0.19)  # finished just in time: keep
-    assert w.budget == 3
+    w._size_budget(completed=True, late=False, took_s=0.13)  # 0.13 * 4/3 = 0.173 < 0.18: grow
+    assert w.budget == 4
+    w._size_budget(completed=True, late=False, took_s=0.14)  # 0.14 * 5/4 = 0.175 < 0.18: grow
+    assert w.budget == 5
+    w._size_budget(completed=True, late=False, took_s=0.16)  # 0.16 * 6/5 = 0.192: one more would not fit
+    assert w.budget == 5
 
 
 def test_trace_has_target_and_draft_spans(monkeypatch, tiny_pair, tmp_path):

@@ -15,7 +15,9 @@ class EngineConfig:
     device: str = "cpu"
     draft_device: str | None = None      # default: same as device
     threads: int | None = None           # CPU threads for torch (None: leave torch's default)
-    dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"                  # auto | float32 | bfloat16 | float16 | int8 (CPU)
+    draft_dtype: str | None = None       # default: same as dtype. The draft's numerics never change what
+                                         # the target emits, so a faster int8 draft stays exact.
     max_model_len: int = 4096
     kv_cache_gb: float = 1.0             # KV memory of the target; the draft gets the same number of slots
     block_size: int = 16
@@ -47,5 +49,9 @@ class EngineConfig:
             raise ValueError(f"backup must be 'auto', 'neural' or 'fast', got {self.backup!r}")
         if not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
+        if self.mode == "ssd" and (self.draft_device or "cpu") != "cpu":
+            raise ValueError(f"mode 'ssd' runs its draft worker on CPU cores in this version (draft_device "
+                             f"{self.draft_device!r} is not supported yet): use draft_cores=[...] for SSD, or "
+                             "mode 'sd' to run the draft on a GPU")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")

@@ -12,7 +12,7 @@ from ssd.config import EngineConfig
 from ssd.engine.engine import LLMEngine
 from ssd.engine.trace import Tracer
 from ssd.engine.model_runner import ModelRunner
-from ssd.models.loader import LoadedModel, load_model
+from ssd.models.loader import LoadedModel, draft_dtype_for, load_model
 from ssd.outputs import RequestMetrics, RequestOutput, StreamChunk, aggregate
 from ssd.sampling_params import SamplingParams
 from ssd.speculation.compat import check_vocab_compatible
@@ -37,13 +37,14 @@ class LLM:
         mcfg = self.target.config
         self.max_model_len = min(cfg.max_model_len, mcfg.max_position_embeddings)
         target_runner = self._runner(self.target, cfg.device, None)
+        self.draft_dtype = draft_dtype_for(cfg.dtype, cfg.draft_dtype, cfg.draft_device or cfg.device)
         draft_runner = None
         draft_client = None
         self.draft = None
         if cfg.mode == "ssd":
             draft_client = self._start_worker(target_runner)
         elif cfg.mode != "ar":
-            self.draft = load_model(cfg.draft, cfg.dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
+            self.draft = load_model(cfg.draft, self.draft_dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
                                     cfg.progress)
             check_vocab_compatible(self.tokenizer, self.draft.tokenizer, mcfg.vocab_size,
                                    self.draft.config.vocab_size)
@@ -73,7 +74,7 @@ class LLM:
         cores = cfg.draft_cores
         if cores is None and cfg.draft_host is None and (os.cpu_count() or 1) > 1:
             cores = [sorted(os.sched_getaffinity(0))[-1]]
-        return DraftClient(str(path), cfg.dtype, cfg.k, threads=cfg.draft_threads or 1, cores=cores,
+        return DraftClient(str(path), self.draft_dtype, cfg.k, threads=cfg.draft_threads or 1, cores=cores,
                            fanout_budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c, backup=cfg.backup,
                            timeout_s=cfg.worker_timeout_s, num_blocks=target_runner.block_manager.num_blocks,
                            block_size=cfg.block_size, max_model_len=self.max_model_len, listen=cfg.draft_host)

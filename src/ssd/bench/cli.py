@@ -50,6 +50,10 @@ def add_bench_parser(sub, engine_args: Callable[..., None]) -> argparse.Argument
                    help="comma list of transformers peers: hf, hf-assisted (default: none)")
     g.add_argument("--peer-assistant-tokens", type=int, default=None,
                    help="draft length of hf-assisted (default: transformers' own schedule)")
+    g.add_argument("--placement", choices=["paper", "equal"], default="paper",
+                   help="ssd hardware: paper = the target gets --threads in every mode and SSD adds the draft "
+                        "worker's cores; equal = every mode gets --threads cores in total, so SSD's target "
+                        "runs on --threads minus --draft-threads (default %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="prompt selection and sampling seed (default %(default)s)")
     g.add_argument("--out-dir", default="benchmarks/results", help="report folder (default %(default)s)")
     g.add_argument("--stem", default=None, help="report file name stem (default: bench-<time>-<config>)")
@@ -76,8 +80,9 @@ def config_from_args(args):
         model=args.model, draft=args.draft, modes=pick("modes"), k=args.k, datasets=pick("datasets"),
         num_prompts=pick("num_prompts"), max_tokens=pick("max_tokens"), temperature=args.temperature,
         batch_size=args.batch_size, threads=args.threads, dtype=args.dtype, device=args.device,
-        draft_device=args.draft_device, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
-        seed=args.seed, peers=pick("peers"), peer_assistant_tokens=args.peer_assistant_tokens,
+        draft_device=args.draft_device, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
+        seed=args.seed, placement=args.placement, peers=pick("peers"),
+        peer_assistant_tokens=args.peer_assistant_tokens,
         out_dir=args.out_dir, stem=args.stem, bandwidth=not args.no_bandwidth, warmup=not args.no_warmup,
         title=args.title or ("ssd bench --quick" if args.quick else None),
         ssd_options=dict(fanout_budget=args.fanout_budget, saguaro_c=args.saguaro_c, backup=args.backup,

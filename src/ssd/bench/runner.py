@@ -62,9 +62,11 @@ class BenchConfig:
     dtype: str = "auto"
     device: str = "cpu"
     draft_device: str | None = None
+    draft_dtype: str | None = None           # default: dtype (the hf-assisted peer always uses peer dtype)
     max_model_len: int = 4096
     kv_cache_gb: float = 1.0
     seed: int = 0                            # prompt selection, and per-prompt sampling seeds
+    placement: str = "paper"                 # ssd: "paper" (worker adds cores) or "equal" (same total cores)
     peers: list[str] = field(default_factory=list)
     peer_assistant_tokens: int | None = None  # hf-assisted draft length (None: transformers' schedule)
     out_dir: str = DEFAULT_OUT_DIR
@@ -114,6 +116,12 @@ class BenchConfig:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.placement not in ("paper", "equal"):
+            raise ValueError(f"placement must be 'paper' or 'equal', got {self.placement!r}")
+        if self.placement == "equal" and "ssd" in self.modes and self.device == "cpu":
+            if self.threads is None or self.threads - (self.ssd_options.get("draft_threads") or 1) < 1:
+                raise ValueError("placement 'equal' needs --threads larger than the draft worker's threads "
+                                 "(e.g. --threads 2 --draft-threads 1): SSD's target runs on the rest")
 
     @property
     def ks(self) -> list[int]:
@@ -215,11 +223,19 @@ def _render(prompts: dict[str, list[BenchPrompt]], tokenizer, limit: int, max_to
 # --------------------------------------------------------------------------- our engine
 
 
+def mode_threads(cfg: BenchConfig, mode: str) -> int | None:
+    """Target threads of one mode: with placement 'equal' on CPU, SSD's target leaves the worker its cores."""
+    if mode == "ssd" and cfg.placement == "equal" and cfg.device == "cpu" and cfg.threads:
+        return cfg.threads - (cfg.ssd_options.get("draft_threads") or 1)
+    return cfg.threads
+
+
 def _build_llm(cfg: BenchConfig, mode: str, k: int):
     from ssd import LLM
 
     return LLM(cfg.model, draft=cfg.draft if mode != "ar" else None, mode=mode, k=k, device=cfg.device,
-               draft_device=cfg.draft_device, threads=cfg.threads, dtype=cfg.dtype,
+               draft_device=cfg.draft_device, threads=mode_threads(cfg, mode), dtype=cfg.dtype,
+               draft_dtype=cfg.draft_dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
                max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress, trace=True,
                **(cfg.ssd_options if mode == "ssd" else {}))
@@ -304,9 +320,16 @@ def _matches(ids: list[list[int]] | None, ref: list[list[int]] | None) -> float 
 # --------------------------------------------------------------------------- summary
 
 
+def _sd_label_for(label: str, labels) -> str | None:
+    """The SD run an SSD run is compared with: the one with the same k."""
+    cand = "sd" + label[3:]
+    return cand if label.startswith("ssd") and cand in labels else None
+
+
 def summarize(runs: list[dict]) -> dict[str, dict]:
     """Per run label: geometric mean over datasets of tokens/s (and decode tokens/s), and the
-    geometric-mean ratio to our AR run and to each peer over the datasets both ran."""
+    geometric-mean ratio to our AR run, to each peer, and for SSD to SD with the same k, over the
+    datasets both ran (overall and decode-only)."""
     by_label: dict[str, dict[str, dict]] = {}
     for r in runs:
         by_label.setdefault(r.get("label") or r["mode"], {})[r["dataset"]] = r
@@ -314,37 +337,54 @@ def summarize(runs: list[dict]) -> dict[str, dict]:
     summary = {}
     for lab, per_ds in by_label.items():
         tps = {d: r.get("tokens_per_s") for d, r in per_ds.items()}
+        dec = {d: r.get("decode_tokens_per_s") for d, r in per_ds.items()}
+        first = next(iter(per_ds.values()))
         entry: dict[str, Any] = {
-            "mode": next(iter(per_ds.values()))["mode"],
+            "mode": first["mode"],
             "datasets": list(per_ds),
             "tokens_per_s_geomean": geomean(list(tps.values())),
-            "decode_tokens_per_s_geomean": geomean([r.get("decode_tokens_per_s") for r in per_ds.values()]),
+            "decode_tokens_per_s_geomean": geomean(list(dec.values())),
         }
-        if "k" in next(iter(per_ds.values())):
-            entry["k"] = next(iter(per_ds.values()))["k"]
+        if "k" in first:
+            entry["k"] = first["k"]
         accs = [r.get("acceptance_rate") for r in per_ds.values() if r.get("acceptance_rate") is not None]
         if accs:
             entry["acceptance_rate_mean"] = sum(accs) / len(accs)
         matches = [(r["matches_ar"], r["num_prompts"]) for r in per_ds.values() if r.get("matches_ar") is not None]
         if matches:
             entry["matches_ar"] = sum(m * n for m, n in matches) / sum(n for _, n in matches)
-        for base_lab, base in ref.items():
+        bases = dict(ref)
+        sd_lab = _sd_label_for(lab, by_label)
+        if sd_lab:
+            bases["sd"] = by_label[sd_lab]
+        for base_lab, base in bases.items():
             if base_lab == lab:
                 continue
-            ratios = [tps[d] / base[d]["tokens_per_s"] for d in per_ds
-                      if d in base and tps[d] and base[d].get("tokens_per_s")]
-            entry[f"vs_{base_lab}"] = geomean(ratios)
+            for key, vals, prefix in (("tokens_per_s", tps, "vs_"), ("decode_tokens_per_s", dec, "decode_vs_")):
+                ratios = [vals[d] / base[d][key] for d in per_ds if d in base and vals[d] and base[d].get(key)]
+                entry[f"{prefix}{base_lab}"] = geomean(ratios)
+        if first["mode"] == "ssd":
+            hits = [(r.get("cache_hit_rate"), r.get("target_forwards") or 1) for r in per_ds.values()
+                    if r.get("cache_hit_rate") is not None]
+            if hits:
+                entry["cache_hit_rate"] = sum(h * n for h, n in hits) / sum(n for _, n in hits)
+            idle = [r.get("target_idle_fraction") for r in per_ds.values() if r.get("target_idle_fraction") is not None]
+            if idle:
+                entry["target_idle_fraction_mean"] = sum(idle) / len(idle)
         summary[lab] = entry
     return summary
 
 
 def summary_markdown(result: dict) -> str:
-    """The summary (geomeans and ratios) and the AR bandwidth bound as Markdown."""
+    """The summary (geomeans and ratios), SSD cache metrics and the AR bandwidth bound as Markdown."""
     summary = result.get("summary") or {}
     if not summary:
         return ""
-    bases = [b for b in ("ar", *PEERS) if b in summary]
-    header = ["mode", "tok/s geomean", "decode tok/s geomean", *[f"x {b}" for b in bases], "matches AR"]
+    bases = [b for b in ("ar", "sd", *PEERS) if any(f"vs_{b}" in e for e in summary.values())]
+    header = ["mode", "tok/s geomean", "decode tok/s geomean"]
+    for b in bases:
+        header += [f"x {b}", f"decode x {b}"]
+    header.append("matches AR")
     lines = ["| " + " | ".join(header) + " |", "| --- | " + " | ".join(["---:"] * (len(header) - 1)) + " |"]
 
     def f(x, d=2, suffix=""):
@@ -352,12 +392,27 @@ def summary_markdown(result: dict) -> str:
 
     for lab, e in summary.items():
         row = [lab, f(e.get("tokens_per_s_geomean")), f(e.get("decode_tokens_per_s_geomean"))]
-        row += [f(e.get(f"vs_{b}"), 2, "x") if b != lab else "1.00x" for b in bases]
+        for b in bases:
+            same = b == lab
+            row += ["1.00x" if same else f(e.get(f"vs_{b}"), 2, "x"),
+                    "1.00x" if same else f(e.get(f"decode_vs_{b}"), 2, "x")]
         row.append(f(e.get("matches_ar"), 2))
         lines.append("| " + " | ".join(row) + " |")
-    out = ["Geometric means over datasets; x: geometric mean of per-dataset throughput ratios; matches AR: "
-           "fraction of prompts with token ids identical to our AR run (greedy exactness canary).", "",
-           *lines]
+    out = ["Geometric means over datasets; x: geometric mean of per-dataset throughput ratios (overall = "
+           "prefill included; decode = after the first token); x sd compares SSD with SD at the same k; "
+           "matches AR: fraction of prompts with token ids identical to our AR run (greedy exactness canary).",
+           "", *lines]
+    ssd_runs = [r for r in result.get("runs", []) if r.get("mode") == "ssd"]
+    if ssd_runs:
+        out += ["", "SSD speculation cache (per dataset): hit rate = rounds answered from a complete pre-drafted "
+                "chain; tokens per round = tokens committed per target verification; target idle = share of "
+                "decode time the target waited for the draft.", "",
+                "| dataset | mode | cache hit rate | tokens/round on hit | tokens/round on miss | target idle |"
+                " degraded |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in ssd_runs:
+            out.append(f"| {r['dataset']} | {r.get('label', 'ssd')} | {f(r.get('cache_hit_rate'))} | "
+                       f"{f(r.get('tokens_per_round_on_hit'))} | {f(r.get('tokens_per_round_on_miss'))} | "
+                       f"{f(r.get('target_idle_fraction'))} | {r.get('degraded_from') or '-'} |")
     bound = [r for r in result.get("runs", []) if r.get("bandwidth_bound_ms_per_token") is not None]
     if bound:
         out += ["", "AR memory-bandwidth bound (weights read once per decode step, "
@@ -387,11 +442,15 @@ def run_bench(cfg: BenchConfig) -> dict:
         "datasets": list(prompts), "prompts_per_dataset": {d: len(p) for d, p in prompts.items()},
         "prompt_ids": {d: [p.id for p in ps] for d, ps in prompts.items()},
         "max_new_tokens": cfg.max_tokens, "ignore_eos": True, "temperature": cfg.temperature,
-        "batch_size": cfg.batch_size, "dtype": cfg.dtype, "device": cfg.device,
+        "batch_size": cfg.batch_size, "dtype": cfg.dtype, "draft_dtype": cfg.draft_dtype or cfg.dtype,
+        "device": cfg.device,
         "draft_device": cfg.draft_device or cfg.device,
         "threads": cfg.threads if cfg.threads is not None else torch.get_num_threads(),
-        "seed": cfg.seed, "warmup": cfg.warmup, "peers": cfg.peers,
+        "seed": cfg.seed, "warmup": cfg.warmup, "peers": cfg.peers, "placement": cfg.placement,
     }
+    if "ssd" in cfg.modes:
+        config["ssd_target_threads"] = mode_threads(cfg, "ssd")
+        config["ssd_draft_threads"] = cfg.ssd_options.get("draft_threads") or 1
     if cfg.peers:
         config["peer_dtype"] = cfg.peer_dtype
         if cfg.dtype == "auto":

@@ -56,12 +56,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """forward(tokens [T], positions [T], meta, kv caches) -> hidden [T, hidden]; logits(hidden) -> [N, vocab]."""
 
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, packed_fp16: bool,
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, packed: bool | str | None,
                  max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.dtype = torch.float32 if packed_fp16 else dtype
-        make_linear = lambda w, b: Linear(w, b, packed_fp16, self.dtype)  # noqa: E731
+        self.dtype = torch.float32 if packed else dtype      # FBGEMM backends take fp32 activations
+        make_linear = lambda w, b: Linear(w, b, packed, self.dtype)  # noqa: E731
         embed = get("model.embed_tokens.weight")
         if embed.shape != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(f"embed_tokens has shape {tuple(embed.shape)}, config says "

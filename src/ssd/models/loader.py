@@ -29,18 +29,34 @@ class LoadedModel:
     dtype_name: str
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, bool]:
-    """-> (storage dtype, use FBGEMM packed fp16). 'auto' = fp16 weights via FBGEMM on CPU, bf16 on CUDA."""
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, bool | str]:
+    """-> (storage dtype, FBGEMM backend: False | True (fp16) | "int8").
+    'auto' = fp16 weights via FBGEMM on CPU, bf16 on CUDA. 'int8' = FBGEMM int8 (CPU only)."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else ("float16" if fbgemm_fp16_available() else "float32")
+    if dtype == "int8":
+        if device.type != "cpu" or not fbgemm_fp16_available():
+            raise ValueError("dtype int8 needs a CPU with PyTorch's FBGEMM backend; on CUDA use bfloat16")
+        return torch.float16, "int8"
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16, int8")
     td = DTYPES[dtype]
     packed = device.type == "cpu" and td == torch.float16
     if packed and not fbgemm_fp16_available():
         raise ValueError("dtype float16 on CPU needs PyTorch's FBGEMM backend, which this build lacks; "
                          "use dtype float32 or bfloat16")
     return td, packed
+
+
+def draft_dtype_for(dtype: str, draft_dtype: str | None, device: str | torch.device) -> str:
+    """The draft's dtype: as asked; else int8 on a CPU with FBGEMM when the target's dtype is 'auto'
+    (a draft's numerics change only how often it is right, never what the target emits, and int8
+    makes the CPU draft ~1.7x faster); else the target's dtype."""
+    if draft_dtype is not None:
+        return draft_dtype
+    if dtype == "auto" and torch.device(device).type == "cpu" and fbgemm_fp16_available():
+        return "int8"
+    return dtype
 
 
 class SafetensorsWeights:
@@ -85,7 +101,8 @@ def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device
         model = DecoderModel(cfg, lambda n: get(n).to(device), td, packed, max_pos)
     model.eval()
     tok = load_tokenizer(path)
-    name = "float16 (FBGEMM, fp32 activations)" if packed else str(td).replace("torch.", "")
+    name = {True: "float16 (FBGEMM, fp32 activations)", "int8": "int8 (FBGEMM, per-row weights, dynamic "
+            "activations)"}.get(packed, str(td).replace("torch.", ""))
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", path.name, cfg.architecture, cfg.num_layers,
              name, device, time.perf_counter() - t0)
     return LoadedModel(model, cfg, tok, path, name)

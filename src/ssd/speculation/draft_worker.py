@@ -112,7 +112,7 @@ class DraftWorker:
         # chains per sequence per round: fixed when given, else sized online so that pre-drafting
         # fits inside one verification (halve when the answer request cut it short, +1 with slack)
         self.fixed_budget = fanout_budget
-        self.budget = fanout_budget or 4
+        self.budget = fanout_budget or 1
         self.verify_s = 0.0          # last verification time, reported by the engine
         self.predraft_s = 0.0        # how long the last complete pre-draft took
         # measured per-round yield (tokens committed) by where the speculation came from, JIT cost
@@ -243,12 +243,14 @@ class DraftWorker:
 
     def _size_budget(self, completed: bool, late: bool, took_s: float) -> None:
         """Pre-drafting must end before the verification does. Cut short, or finished after the
-        engine had already asked (it waited): halve. Finished with room to spare: one more chain."""
+        engine had already asked (it waited): halve. One more chain per sequence only when even a
+        compute-bound draft (time proportional to chains) would still finish within 90% of the
+        verification: a chain that is not complete in time is a miss, however many there are."""
         if self.fixed_budget is not None:
             return
         if not completed or late:
             self.budget = max(1, self.budget // 2)
-        elif self.verify_s and took_s < 0.6 * self.verify_s:
+        elif self.verify_s and took_s * (self.budget + 1) / self.budget < 0.9 * self.verify_s:
             self.budget = min(self.budget + 1, self.max_chains)
 
     def _spent(self, kind: int, t0: float) -> None:
