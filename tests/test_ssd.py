@@ -198,23 +198,29 @@ def test_backup_choice_flips_at_the_critical_batch_size(tiny_pair):
     assert w.choose_backup(10_000) == "neural"
 
 
-def test_prefdraft_budget_sizes_itself_to_the_verify_time(tiny_pair):
+def test_predraft_budget_sizes_itself_to_the_verify_time(tiny_pair):
     from ssd_local import LocalDraftClient
 
+    from ssd.speculation.fanout import budget_from_timings
+
     w = LocalDraftClient(tiny_pair[1], k=3).worker
-    w.budget, w.verify_s = 8, 0.2
-    w._size_budget(completed=False, late=False, took_s=0.2)  # cut short by the engine's request
-    assert w.budget == 4
-    w._size_budget(completed=True, late=True, took_s=0.25)   # finished after the engine asked: it waited
-    assert w.budget == 2
-    w._size_budget(completed=True, late=False, took_s=0.05)  # slack: 0.05 * 3/2 < 0.9 * 0.2
-    assert w.budget == 3
-    w._size_budget(completed=True, late=False, took_s=0.13)  # 0.13 * 4/3 = 0.173 < 0.18: grow
-    assert w.budget == 4
-    w._size_budget(completed=True, late=False, took_s=0.14)  # 0.14 * 5/4 = 0.175 < 0.18: grow
-    assert w.budget == 5
-    w._size_budget(completed=True, late=False, took_s=0.16)  # 0.16 * 6/5 = 0.192: one more would not fit
-    assert w.budget == 5
+    assert w.step_s > 0 and 0 <= w.row_cost <= 1          # calibrated at start
+    w.step_s, w.row_cost, w.verify_s = 0.010, 0.25, 0.100
+    # K=3 steps over R rows after one catch-up step: 0.01 + 3 * 0.01 * (1 + 0.25 (R - 1)) <= 0.09
+    # -> R <= 7.67: 7 chains for one sequence, 3 each for two
+    assert w._timed_budget(1) == 7 == budget_from_timings(0.1, 0.01, 3, 1, row_cost=0.25, overhead_s=0.01)
+    assert w._timed_budget(2) == 3
+    w.verify_s = 0.02                                       # not even one chain fits: still try one
+    assert w._timed_budget(1) == 1
+    w.verify_s = 0.1
+    w._observe_predraft(1, 7, completed=True, took_s=2 * (0.01 + 3 * 0.01 * 2.5))   # twice the model
+    assert w.slowdown.value == pytest.approx(1.2)           # EMA, alpha 0.2
+    assert w._timed_budget(1) == 5                          # 0.012 + 3*0.012*(1+0.25(R-1)) <= 0.09
+    before = w.slowdown.value
+    w._observe_predraft(1, 5, completed=False, took_s=0.01)  # cut short: slower than allowed, not faster
+    assert w.slowdown.value > before
+    w.fixed_budget = 2
+    assert w._timed_budget(1) == 2
 
 
 def test_trace_has_target_and_draft_spans(monkeypatch, tiny_pair, tmp_path):

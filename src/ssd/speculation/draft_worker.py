@@ -23,7 +23,7 @@ from ssd.engine.model_runner import ForwardItem, ModelRunner
 from ssd.layers.attention import block_slots
 from ssd.layers.sampler import logits_to_probs, sample
 from ssd.speculation.backup import ngram_proposal
-from ssd.speculation.fanout import AcceptanceEstimator, MissCurveEstimator, geometric_fanout
+from ssd.speculation.fanout import AcceptanceEstimator, MissCurveEstimator, budget_from_timings, geometric_fanout
 from ssd.speculation.saguaro import saguaro_proposal
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,13 @@ class DraftWorker:
         self.bm = runner.block_manager
         self.vocab = vocab
         self.k = k
-        # chains per sequence per round: fixed when given, else sized online so that pre-drafting
-        # fits inside one verification (halve when the answer request cut it short, +1 with slack)
+        # chains per sequence per round: fixed when given, else sized each round from measured
+        # timings so that pre-drafting fits inside one verification (see _timed_budget)
         self.fixed_budget = fanout_budget
         self.budget = fanout_budget or 1
+        self.step_s = 0.0            # one-row draft step, measured by calibrate()
+        self.row_cost = 1.0          # marginal cost of one more row in a step, relative to step_s
+        self.slowdown = EMA(1.0, alpha=0.2)   # measured / modelled pre-draft time (memory contention)
         self.verify_s = 0.0          # last verification time, reported by the engine
         self.predraft_s = 0.0        # how long the last complete pre-draft took
         # measured per-round yield (tokens committed) by where the speculation came from, JIT cost
@@ -121,7 +124,7 @@ class DraftWorker:
         self.hit_rate = EMA(0.5)
         # Saguaro's top-F per position is fixed at start (prior a and r): the distribution a chain is
         # sampled from must not depend on online estimates, which differ with pre-draft timing.
-        self.saguaro_fan = geometric_fanout(0.7, MissCurveEstimator().r, k, max(self.budget, k + 1))
+        self.saguaro_fan = geometric_fanout(0.7, MissCurveEstimator().r, k, max(4, k + 1))
         self.jit_s = EMA(0.0)
         self.saguaro_c = saguaro_c
         self.backup = backup
@@ -136,6 +139,8 @@ class DraftWorker:
         self.free_regions = list(range(max_chains))   # scratch regions of K slots, one per live chain
         self.busy_s = 0.0
         self.spans: list[tuple[int, float, float]] = []   # (1 answer | 2 predraft | 3 prefill, start, end)
+        if fanout_budget is None:
+            self.calibrate()
         self.stats = {"hits": 0, "misses": 0, "hits_by_k": [0] * (k + 1), "misses_by_k": [0] * (k + 1),
                       "chains_drafted": 0, "partial_hits": 0}
 
@@ -241,17 +246,54 @@ class DraftWorker:
     def observe_verify(self, verify_s: float) -> None:
         self.verify_s = verify_s
 
-    def _size_budget(self, completed: bool, late: bool, took_s: float) -> None:
-        """Pre-drafting must end before the verification does. Cut short, or finished after the
-        engine had already asked (it waited): halve. One more chain per sequence only when even a
-        compute-bound draft (time proportional to chains) would still finish within 90% of the
-        verification: a chain that is not complete in time is a miss, however many there are."""
+    def calibrate(self, ctx: int = 64, rows: int = 16, reps: int = 3) -> None:
+        """Time a draft step over 1 row and over `rows` rows (one row = one chain's next token) once
+        at start; the budget's cost model is t(R) = step_s * (1 + row_cost * (R - 1))."""
+        sid = -2
+        self.bm.allocate(sid, [0] * ctx)
+        self.runner.forward([ForwardItem(sid, [0] * ctx, 0)])
+        times = {}
+        for r in (1, rows):
+            ts = []
+            for _ in range(reps):
+                self.bm.append(sid, r)
+                t0 = time.perf_counter()
+                self.runner.forward([ForwardItem(sid, [0] * r, ctx, r)])
+                ts.append(time.perf_counter() - t0)
+                self.bm.rollback(sid, r)
+            times[r] = sorted(ts)[reps // 2]
+        self.bm.free(sid)
+        self.step_s = times[1]
+        self.row_cost = min(1.0, max(0.0, (times[rows] / times[1] - 1) / (rows - 1)))
+        log.info("draft step %.1f ms for 1 row, %.1f ms for %d rows (row cost %.2f)", 1e3 * times[1],
+                 1e3 * times[rows], rows, self.row_cost)
+
+    def _step_time(self, rows: int) -> float:
+        return self.step_s * (1 + self.row_cost * (rows - 1))
+
+    def _timed_budget(self, nseq: int) -> int:
+        """Chains per sequence this round: the most whose K batched steps, after the catch-up step,
+        end within 90% of the last verification under the calibrated cost model, scaled by the
+        measured slowdown (the target and the draft share memory bandwidth). At least 1: a chain
+        cut short is resumed by the backup, so trying one is never wasted."""
+        cap = max(1, self.max_chains // nseq)
         if self.fixed_budget is not None:
+            return min(self.fixed_budget, cap)
+        if not self.step_s or not self.verify_s:
+            return 1
+        step = self.step_s * self.slowdown.value
+        b = budget_from_timings(self.verify_s, step, self.k, nseq, row_cost=self.row_cost,
+                                overhead_s=step * (1 + self.row_cost * (nseq - 1)), safety=0.9, max_budget=cap)
+        return max(1, b)
+
+    def _observe_predraft(self, nseq: int, budget: int, completed: bool, took_s: float) -> None:
+        """Learn the slowdown: measured time over the modelled time of a complete pre-draft. A
+        pre-draft cut short only says it was slower than the verification allowed."""
+        if not self.step_s:
             return
-        if not completed or late:
-            self.budget = max(1, self.budget // 2)
-        elif self.verify_s and took_s * (self.budget + 1) / self.budget < 0.9 * self.verify_s:
-            self.budget = min(self.budget + 1, self.max_chains)
+        model = self._step_time(nseq) + self.k * self._step_time(nseq * budget)
+        ratio = took_s / model
+        self.slowdown.update(ratio if completed else max(ratio, self.slowdown.value * 1.25))
 
     def _spent(self, kind: int, t0: float) -> None:
         t1 = time.perf_counter()
@@ -366,7 +408,7 @@ class DraftWorker:
             return 0
         self._catch_up(seqs)
         jobs = []
-        per_seq = max(1, min(self.budget, self.max_chains // len(seqs)))
+        self.budget = per_seq = self._timed_budget(len(seqs))
         for s in seqs:
             fan = self.plan(per_seq)
             for k in range(self.k + 1):
@@ -386,7 +428,7 @@ class DraftWorker:
         late = not stopped and poll is not None and poll()
         log.debug("pre-draft: %d chains, budget %d, late %s, %.0f ms (verify %.0f ms)", len(jobs), self.budget, late,
                   1e3 * (time.perf_counter() - t0), 1e3 * self.verify_s)
-        self._size_budget(not stopped, late, time.perf_counter() - t0)
+        self._observe_predraft(len(seqs), per_seq, not stopped and not late, time.perf_counter() - t0)
         self._spent(2, t0)
         return len(chains)
 
