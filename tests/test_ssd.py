@@ -76,6 +76,40 @@ def test_worker_start_failure_is_a_clear_error(tiny_pair, tmp_path):
             worker_timeout_s=30)
 
 
+@pytest.mark.parametrize("worker_k", [3, 2])
+def test_remote_worker_started_by_hand(tiny_pair, ar_ref, worker_k):
+    """`ssd draft-worker --connect HOST:PORT` on 'another host' (a separate process here) and the engine's
+    draft_host: same tokens as AR; a worker started with another k is a clear error, not a silent slowdown."""
+    import subprocess
+    import sys
+
+    from ssd.engine.ssd import DraftWorkerError, _child_env
+    from ssd.speculation.transport import free_port
+
+    target, draft = tiny_pair
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "draft-worker", "--connect", f"127.0.0.1:{port}",
+                             "--model", str(draft), "--dtype", "float32", "--k", str(worker_k), "--timeout", "30"],
+                            env=_child_env(), stderr=subprocess.DEVNULL)
+    try:
+        kw = dict(draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+                  worker_timeout_s=30, draft_host=f"127.0.0.1:{port}")
+        if worker_k != 3:
+            with pytest.raises(DraftWorkerError, match="start the worker with --k 3"):
+                LLM(str(target), **kw)
+            return
+        llm = LLM(str(target), **kw)
+        try:
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref
+            assert llm.engine.step_impl.stats.rounds > 0 and llm.engine.degraded_from is None
+        finally:
+            llm.close()
+        assert proc.wait(30) == 0                          # the engine's shutdown ends the worker
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 TOP_K = 3   # few cells -> a powerful chi-square; top-k applies to p and q alike
 
 

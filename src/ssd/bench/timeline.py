@@ -7,7 +7,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 COLORS = {"prefill": "#999999", "decode": "#1f77b4", "verify": "#1f77b4", "draft": "#ff7f0e",
-          "answer": "#ff7f0e", "predraft": "#2ca02c", "wait": "#d62728"}
+          "answer": "#9467bd", "predraft": "#2ca02c", "wait": "#d62728"}
 
 
 def window(spans: list[tuple[str, str, float, float]], skip_rounds: int = 3, length_s: float = 1.5):
@@ -47,9 +47,9 @@ def render_timeline(timelines: dict[str, list[tuple[str, str, float, float]]], p
         ax.set_ylabel(label, rotation=0, ha="right", va="center", fontweight="bold")
         ax.set_xlim(0, None)
     axes[-1, 0].set_xlabel("ms")
-    fig.legend(loc="upper right", ncol=len(seen), fontsize=8)
+    fig.legend(loc="lower center", ncol=len(seen), fontsize=8, frameon=False)
     fig.suptitle(title, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -102,7 +102,11 @@ class DraftClient:
         if msg.kind == Msg.ERROR:
             self.close()
             raise DraftWorkerError(decode_error(msg.ints))
-        self.vocab, self.pid = msg.ints.tolist()
+        self.vocab, self.pid, worker_k = msg.ints.tolist()
+        if worker_k != k:
+            self.close()
+            raise DraftWorkerError(f"the draft worker at {host}:{port} pre-drafts k={worker_k} tokens but the engine "
+                                   f"uses k={k}: start the worker with --k {k} (or the engine with k={worker_k})")
         log.info("draft worker %d is up (%s)", self.pid, "local process" if self.proc else f"remote, {host}:{port}")
 
     def _join(self, host: str, port: int, timeout_s: float) -> None:

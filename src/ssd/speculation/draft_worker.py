@@ -117,7 +117,6 @@ class DraftWorker:
         self.row_cost = 1.0          # marginal cost of one more row in a step, relative to step_s
         self.slowdown = EMA(1.0, alpha=0.2)   # measured / modelled pre-draft time (memory contention)
         self.verify_s = 0.0          # last verification time, reported by the engine
-        self.predraft_s = 0.0        # how long the last complete pre-draft took
         # measured per-round yield (tokens committed) by where the speculation came from, JIT cost
         self.tokens_per_round = {"cache": EMA(self.k * 0.7 + 1), "neural": EMA(self.k * 0.7 + 1),
                                  "fast": EMA(1.3)}
@@ -497,7 +496,7 @@ def serve(host: str, port: int, model: str, dtype: str, k: int, threads: int | N
     except Exception as e:  # report, then exit: the engine turns it into a clear start-up error
         chan.send(Msg.ERROR, error_message(f"draft worker could not load {model!r}: {e}"))
         raise
-    chan.send(Msg.HELLO, [loaded.config.vocab_size, os.getpid()])
+    chan.send(Msg.HELLO, [loaded.config.vocab_size, os.getpid(), k])
     log.info("draft worker ready (pid %d, cores %s, threads %d)", os.getpid(), cores, torch.get_num_threads())
     with torch.inference_mode():
         while True:
