@@ -24,11 +24,11 @@ test: venv
 demo: venv
 	$(VENV)/bin/ssd models fetch qwen2.5-coder-1.5b
 	$(VENV)/bin/ssd models fetch qwen2.5-coder-0.5b
-	$(VENV)/bin/ssd generate --max-tokens 96 --temperature 0 --metrics \
+	$(VENV)/bin/ssd generate --max-tokens 96 --temperature 0 --metrics --draft qwen2.5-coder-0.5b --mode sd \
 		--escapes --prompt 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
-	$(VENV)/bin/ssd generate --chat --max-tokens 96 --temperature 0 --metrics \
-		--prompt 'Explain in two sentences what a KV cache is.'
-	$(VENV)/bin/ssd bench --quick --modes ar,sd,ssd --threads 1
+	$(VENV)/bin/ssd generate --chat --max-tokens 96 --temperature 0 --metrics --draft qwen2.5-coder-0.5b \
+		--mode ssd --threads 1 --prompt 'Explain in two sentences what a KV cache is.'
+	$(VENV)/bin/ssd bench --quick --modes ar,sd,ssd --threads 1 --out-dir build/demo-bench
 
 clean-venv:
 	rm -rf $(VENV)

@@ -104,7 +104,11 @@ def cmd_generate(args) -> int:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
     llm.close()
     if args.metrics and final is not None:
-        print(f"[{llm.config.mode}] {format_metrics(final.metrics)} | finish: {final.finish_reason}",
+        extra = ""
+        stats = getattr(llm.engine.step_impl, "stats", None)
+        if hasattr(stats, "hits") and stats.hits + stats.misses:     # SSD: this request's rounds
+            extra = f" | cache hit rate {stats.hits / (stats.hits + stats.misses):.2f}"
+        print(f"[{llm.config.mode}] {format_metrics(final.metrics)}{extra} | finish: {final.finish_reason}",
               file=sys.stderr)
     return 0
 
