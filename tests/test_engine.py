@@ -61,6 +61,23 @@ def test_sd_with_int8_draft_equals_ar(tiny_pair, ar_outputs):
     assert 0.5 < sd.last_stats["acceptance_rate"] <= 1.0
 
 
+def test_prefill_threads_apply_to_prefill_only(tiny_pair, monkeypatch):
+    before = torch.get_num_threads()
+    llm = LLM(str(tiny_pair[0]), dtype="float32", threads=1, prefill_threads=2, progress=False)
+    seen = []
+    for step in (llm.engine.step_impl.prefill, llm.engine.step_impl.decode):
+        def spy(seqs, _step=step, _name=step.__name__):
+            seen.append((_name, torch.get_num_threads()))
+            return _step(seqs)
+        monkeypatch.setattr(llm.engine.step_impl, step.__name__, spy)
+    try:
+        llm.generate("hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert ("prefill", 2) in seen and ("decode", 1) in seen and ("decode", 2) not in seen
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_seed_reproducible_regardless_of_batch_mates(ar):
     p = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
     alone = ar.generate("hello", p)[0].token_ids

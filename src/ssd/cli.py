@@ -21,6 +21,9 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
     g.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
+    g.add_argument("--prefill-threads", type=int, default=None,
+                   help="CPU threads for prompt prefill (default: --threads); with --mode ssd on a CPU, the "
+                   "draft core is mostly idle during prefill")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="weights: auto = float16 via FBGEMM on CPU (fp32 activations), bfloat16 on CUDA; "
                    "int8 = FBGEMM int8 (CPU; changes the model's numbers)")
@@ -55,8 +58,8 @@ def _llm(args, **extra):
     from ssd import LLM
 
     return LLM(args.model, draft=args.draft, mode=args.mode, k=args.k, device=args.device,
-               draft_device=args.draft_device, threads=args.threads, dtype=args.dtype,
-               draft_dtype=args.draft_dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
+               draft_device=args.draft_device, threads=args.threads, prefill_threads=args.prefill_threads,
+               dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
                draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
                saguaro_c=args.saguaro_c, backup=args.backup, **extra)

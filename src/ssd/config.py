@@ -15,6 +15,9 @@ class EngineConfig:
     device: str = "cpu"
     draft_device: str | None = None      # default: same as device
     threads: int | None = None           # CPU threads for torch (None: leave torch's default)
+    prefill_threads: int | None = None   # CPU threads for prefill steps (default: threads). With SSD on a
+                                         # CPU the draft worker's core is mostly idle while the target
+                                         # prefills: equal-hardware setups give prefill all cores.
     dtype: str = "auto"                  # auto | float32 | bfloat16 | float16 | int8 (CPU)
     draft_dtype: str | None = None       # default: same as dtype. The draft's numerics never change what
                                          # the target emits, so a faster int8 draft stays exact.
@@ -55,3 +58,5 @@ class EngineConfig:
                              "mode 'sd' to run the draft on a GPU")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.prefill_threads is not None and self.prefill_threads < 1:
+            raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")

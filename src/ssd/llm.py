@@ -56,6 +56,7 @@ class LLM:
         self.engine = LLMEngine(target_runner, self.tokenizer, eos, self.max_model_len, cfg.max_num_seqs,
                                 cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
                                 Tracer() if cfg.trace else None)
+        self.engine.prefill_threads = cfg.prefill_threads
         self._client = draft_client
 
     def _start_worker(self, target_runner: ModelRunner):

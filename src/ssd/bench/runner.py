@@ -59,6 +59,7 @@ class BenchConfig:
     temperature: float = 0.0                 # 0 = greedy
     batch_size: int = 1                      # concurrent requests per generate() call
     threads: int | None = None
+    prefill_threads: int | None = None       # default: threads (equal placement: SSD's prefill gets them all)
     dtype: str = "auto"
     device: str = "cpu"
     draft_device: str | None = None
@@ -233,9 +234,11 @@ def mode_threads(cfg: BenchConfig, mode: str) -> int | None:
 def _build_llm(cfg: BenchConfig, mode: str, k: int):
     from ssd import LLM
 
+    # equal placement: SSD's target prefills on all the cores (its worker's core idles meanwhile)
+    prefill = cfg.prefill_threads or (cfg.threads if mode_threads(cfg, mode) != cfg.threads else None)
     return LLM(cfg.model, draft=cfg.draft if mode != "ar" else None, mode=mode, k=k, device=cfg.device,
-               draft_device=cfg.draft_device, threads=mode_threads(cfg, mode), dtype=cfg.dtype,
-               draft_dtype=cfg.draft_dtype,
+               draft_device=cfg.draft_device, threads=mode_threads(cfg, mode), prefill_threads=prefill,
+               dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
                max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress, trace=True,
                **(cfg.ssd_options if mode == "ssd" else {}))
@@ -451,6 +454,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     if "ssd" in cfg.modes:
         config["ssd_target_threads"] = mode_threads(cfg, "ssd")
         config["ssd_draft_threads"] = cfg.ssd_options.get("draft_threads") or 1
+        config["ssd_prefill_threads"] = cfg.prefill_threads or cfg.threads
     if cfg.peers:
         config["peer_dtype"] = cfg.peer_dtype
         if cfg.dtype == "auto":

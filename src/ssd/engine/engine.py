@@ -60,6 +60,7 @@ class LLMEngine:
         else:
             raise ValueError(f"unknown mode {mode!r}; choose ar, sd or ssd")
         self.degraded_from: str | None = None
+        self.prefill_threads: int | None = None     # CPU threads for prefill steps (None: unchanged)
         self.scheduler = Scheduler(managers, max_num_seqs, max_num_batched_tokens, lookahead)
         if hasattr(self.step_impl, "release"):
             self.scheduler.on_release = self.step_impl.release
@@ -121,7 +122,14 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
         if sched.prefill:
-            self.step_impl.prefill(sched.prefill)
+            threads = torch.get_num_threads()
+            if self.prefill_threads and self.prefill_threads != threads:
+                torch.set_num_threads(self.prefill_threads)
+            try:
+                self.step_impl.prefill(sched.prefill)
+            finally:
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
             touched = sched.prefill
         elif sched.decode:
             self.step_impl.decode(sched.decode)
