@@ -295,3 +295,23 @@ def test_seeded_ssd_output_does_not_depend_on_predraft_timing(monkeypatch, tiny_
     other, _ = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[0], backup="neural", saguaro_c=0.5, fanout_budget=3,
                          **how)
     assert [o.token_ids for o in other.generate(PROMPTS[:4], p)] == ref
+
+
+def test_ssd_cpu_split_default_threads(monkeypatch):
+    from ssd.config import EngineConfig
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cfg = EngineConfig(model="t", draft="d", mode="ssd")
+    LLM._ssd_cpu_split(cfg)
+    assert (cfg.threads, cfg.prefill_threads) == (3, 4)      # worker on 1 core; prefill on all 4
+    cfg = EngineConfig(model="t", draft="d", mode="ssd", draft_cores=[2, 3], threads=None)
+    LLM._ssd_cpu_split(cfg)
+    assert cfg.threads == 2
+    for kw in (dict(threads=4), dict(draft_host="10.0.0.2:29500")):   # given or remote: untouched
+        cfg = EngineConfig(model="t", draft="d", mode="ssd", **kw)
+        LLM._ssd_cpu_split(cfg)
+        assert cfg.threads == kw.get("threads") and cfg.prefill_threads is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    cfg = EngineConfig(model="t", draft="d", mode="ssd")
+    LLM._ssd_cpu_split(cfg)                                   # one core: nothing to split
+    assert cfg.threads is None

@@ -59,7 +59,8 @@ def _llm(args, **extra):
 
     return LLM(args.model, draft=args.draft, mode=args.mode, k=args.k, device=args.device,
                draft_device=args.draft_device, threads=args.threads, prefill_threads=args.prefill_threads,
-               dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb,
+               dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
+               kv_cache_gb=args.kv_cache_gb,
                draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
                saguaro_c=args.saguaro_c, backup=args.backup, **extra)

@@ -30,6 +30,7 @@ class LLM:
 
     def __init__(self, model: str = "qwen2.5-coder-1.5b", draft: str | None = None, **kwargs):
         self.config = cfg = EngineConfig(model=model, draft=draft, **kwargs)
+        self._ssd_cpu_split(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.target = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.progress)
@@ -58,6 +59,23 @@ class LLM:
                                 Tracer() if cfg.trace else None)
         self.engine.prefill_threads = cfg.prefill_threads
         self._client = draft_client
+
+    @staticmethod
+    def _ssd_cpu_split(cfg: EngineConfig) -> None:
+        """SSD on CPU with no thread count given: the target decodes on the cores the local draft
+        worker does not use (sharing the worker's core slows both), and prefills on all of them
+        (the worker is mostly idle then)."""
+        import os
+
+        if cfg.mode != "ssd" or cfg.threads is not None or cfg.draft_host is not None or cfg.device != "cpu":
+            return
+        usable = len(os.sched_getaffinity(0))
+        worker = len(cfg.draft_cores) if cfg.draft_cores else 1
+        if usable > worker:
+            cfg.threads = usable - worker
+            cfg.prefill_threads = cfg.prefill_threads or usable
+            log.info("ssd: target decodes on %d thread(s), prefills on %d; the draft worker has %d core(s)",
+                     cfg.threads, cfg.prefill_threads, worker)
 
     def _start_worker(self, target_runner: ModelRunner):
         """Check the draft against the target, then start the SSD draft worker on its own cores."""
