@@ -61,6 +61,19 @@ def test_sd_with_int8_draft_equals_ar(tiny_pair, ar_outputs):
     assert 0.5 < sd.last_stats["acceptance_rate"] <= 1.0
 
 
+def test_sd_spec_max_batch_decodes_big_batches_autoregressively(tiny_pair, ar_outputs):
+    target, _ = tiny_pair
+    sd = LLM(str(target), draft=str(target), k=3, dtype="float32", spec_max_batch=2, progress=False)
+    outs = sd.generate(PROMPTS, GREEDY)                        # 5 sequences > 2: plain decode rounds
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert all(o.metrics.target_forwards == GREEDY.max_tokens - 1 for o in outs)   # one token per forward
+    one = sd.generate(PROMPTS[:2], GREEDY)                     # 2 <= 2: speculates (self-draft: all accepted)
+    assert [o.token_ids for o in one] == ar_outputs[:2]
+    assert all(o.metrics.target_forwards < GREEDY.max_tokens // 2 for o in one)
+    with pytest.raises(ValueError, match="mode 'sd' only"):
+        LLM(str(target), spec_max_batch=2, dtype="float32", progress=False)
+
+
 def test_prefill_threads_apply_to_prefill_only(tiny_pair, monkeypatch):
     before = torch.get_num_threads()
     llm = LLM(str(tiny_pair[0]), dtype="float32", threads=1, prefill_threads=2, progress=False)

@@ -18,6 +18,10 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    help="ar, sd (draft then verify) or ssd (draft worker on its own core/device pre-drafts while "
                    "the target verifies); default: sd with a draft, else ar")
     g.add_argument("--k", type=int, default=4, help="draft tokens per speculation round (default %(default)s)")
+    g.add_argument("--spec-max-batch", type=int, default=None,
+                   help="sd: speculate only while at most this many sequences decode together; larger batches "
+                   "decode autoregressively (on a CPU a batched verify of K+1 tokens per sequence can cost more "
+                   "than it saves)")
     g.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
     g.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
@@ -60,7 +64,7 @@ def _llm(args, **extra):
     return LLM(args.model, draft=args.draft, mode=args.mode, k=args.k, device=args.device,
                draft_device=args.draft_device, threads=args.threads, prefill_threads=args.prefill_threads,
                dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
-               kv_cache_gb=args.kv_cache_gb,
+               kv_cache_gb=args.kv_cache_gb, spec_max_batch=args.spec_max_batch,
                draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
                saguaro_c=args.saguaro_c, backup=args.backup, **extra)

@@ -80,6 +80,7 @@ def config_from_args(args):
         model=args.model, draft=args.draft, modes=pick("modes"), k=args.k, datasets=pick("datasets"),
         num_prompts=pick("num_prompts"), max_tokens=pick("max_tokens"), temperature=args.temperature,
         batch_size=args.batch_size, threads=args.threads, prefill_threads=args.prefill_threads, dtype=args.dtype,
+        spec_max_batch=args.spec_max_batch,
         device=args.device,
         draft_device=args.draft_device, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
         kv_cache_gb=args.kv_cache_gb,

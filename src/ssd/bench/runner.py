@@ -59,6 +59,7 @@ class BenchConfig:
     temperature: float = 0.0                 # 0 = greedy
     batch_size: int = 1                      # concurrent requests per generate() call
     threads: int | None = None
+    spec_max_batch: int | None = None        # sd: larger decode batches run autoregressively
     prefill_threads: int | None = None       # default: threads (equal placement: SSD's prefill gets them all)
     dtype: str = "auto"
     device: str = "cpu"
@@ -241,7 +242,8 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
                dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
                max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress, trace=True,
-               **(cfg.ssd_options if mode == "ssd" else {}))
+               **(cfg.ssd_options if mode == "ssd" else {}),
+               **({"spec_max_batch": cfg.spec_max_batch} if mode == "sd" and cfg.spec_max_batch else {}))
 
 
 def _params(cfg: BenchConfig, index: int, max_tokens: int | None = None):
@@ -450,6 +452,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "draft_device": cfg.draft_device or cfg.device,
         "threads": cfg.threads if cfg.threads is not None else torch.get_num_threads(),
         "seed": cfg.seed, "warmup": cfg.warmup, "peers": cfg.peers, "placement": cfg.placement,
+        "spec_max_batch": cfg.spec_max_batch,
     }
     if "ssd" in cfg.modes:
         config["ssd_target_threads"] = mode_threads(cfg, "ssd")

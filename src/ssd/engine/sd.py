@@ -17,6 +17,7 @@ class SDStep:
         if k < 1:
             raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
         self.target, self.draft, self.k = target, draft, k
+        self.max_spec_batch: int | None = None   # larger decode batches skip drafting (plain AR rounds)
         self.vocab = target.model.cfg.vocab_size
         self.tracer = tracer
 
@@ -55,6 +56,8 @@ class SDStep:
 
     def decode(self, seqs: list[Sequence]) -> None:
         k_eff = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
+        if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch:
+            k_eff = [0] * len(seqs)   # the verify becomes a one-token decode; the draft catches up later
         with self.tracer.span("draft", "draft"):
             drafts, qs = self.propose(seqs, k_eff)
         lens = [len(s) for s in seqs]
