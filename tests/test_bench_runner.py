@@ -194,3 +194,22 @@ def test_cli_end_to_end(tiny_pair, tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "| humaneval | sd |" in out and "json:" in out
     assert (tmp_path / "cli.json").exists() and (tmp_path / "cli.md").exists()
+
+
+def test_ssd_mode_reports_cache_metrics(tiny_pair, tmp_path):
+    """The SSD bench path with a real worker process: exact tokens and the cache metrics in JSON and Markdown."""
+    cfg = _cfg(tiny_pair, tmp_path, modes=["ar", "ssd"], prompts={"code": PROMPTS["code"]}, bandwidth=False,
+               ssd_options={"worker_timeout_s": 30})
+    res = run_bench(cfg)
+    ssd = [r for r in res["runs"] if r["mode"] == "ssd"][0]
+    assert ssd["matches_ar"] == 1.0 and ssd["degraded_from"] is None
+    assert 0 <= ssd["cache_hit_rate"] <= 1 and len(ssd["cache_hit_rate_by_k"]) == 4
+    assert ssd["ms_per_round"] >= ssd["verify_ms_per_round"] > 0
+    assert 0 <= ssd["target_idle_fraction"] <= 1 and 0 < ssd["draft_busy_fraction"] <= 1
+    assert ssd["chains_drafted"] > 0
+    summary = res["summary"]["ssd"]
+    assert summary["cache_hit_rate"] == pytest.approx(ssd["cache_hit_rate"])
+    paths = write_bench_report(res, tmp_path, "ssd")
+    md = paths["md"].read_text()
+    assert "SSD speculation cache" in md and "draft busy" in md and "| code | ssd |" in md
+    assert paths["png_timeline"].read_bytes().startswith(PNG_MAGIC)

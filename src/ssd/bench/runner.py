@@ -410,14 +410,20 @@ def summary_markdown(result: dict) -> str:
     ssd_runs = [r for r in result.get("runs", []) if r.get("mode") == "ssd"]
     if ssd_runs:
         out += ["", "SSD speculation cache (per dataset): hit rate = rounds answered from a complete pre-drafted "
-                "chain; tokens per round = tokens committed per target verification; target idle = share of "
-                "decode time the target waited for the draft.", "",
-                "| dataset | mode | cache hit rate | tokens/round on hit | tokens/round on miss | target idle |"
-                " degraded |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+                "chain (by k = accepted length of the previous round, k = 0..K); tokens per round = tokens "
+                "committed per target verification; ms/round = target decode time per round (of it verifying); "
+                "target idle = share of decode time the target waited for the draft; draft busy = share of it "
+                "the worker was drafting.", "",
+                "| dataset | mode | cache hit rate | hit rate by k | tokens/round on hit | tokens/round on miss |"
+                " ms/round (verify) | target idle | draft busy | degraded |",
+                "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in ssd_runs:
-            out.append(f"| {r['dataset']} | {r.get('label', 'ssd')} | {f(r.get('cache_hit_rate'))} | "
+            by_k = " ".join("-" if h is None else f"{h:.2f}" for h in r.get("cache_hit_rate_by_k") or [])
+            out.append(f"| {r['dataset']} | {r.get('label', 'ssd')} | {f(r.get('cache_hit_rate'))} | {by_k or '-'} | "
                        f"{f(r.get('tokens_per_round_on_hit'))} | {f(r.get('tokens_per_round_on_miss'))} | "
-                       f"{f(r.get('target_idle_fraction'))} | {r.get('degraded_from') or '-'} |")
+                       f"{f(r.get('ms_per_round'), 0)} ({f(r.get('verify_ms_per_round'), 0)}) | "
+                       f"{f(r.get('target_idle_fraction'))} | {f(r.get('draft_busy_fraction'))} | "
+                       f"{r.get('degraded_from') or '-'} |")
     bound = [r for r in result.get("runs", []) if r.get("bandwidth_bound_ms_per_token") is not None]
     if bound:
         out += ["", "AR memory-bandwidth bound (weights read once per decode step, "
@@ -598,7 +604,10 @@ def _ssd_counts(llm) -> dict | None:
     if stats is None or not hasattr(stats, "hits"):
         return None
     return {"hits": stats.hits, "misses": stats.misses, "hit_tokens": stats.tokens_on_hit,
-            "miss_tokens": stats.tokens_on_miss, "wait_s": stats.wait_s, "verify_s": stats.verify_s}
+            "miss_tokens": stats.tokens_on_miss, "wait_s": stats.wait_s, "verify_s": stats.verify_s,
+            "rounds": stats.rounds, "partial_hits": stats.partial_hits, "fast_backups": stats.fast_backups,
+            "worker_busy_s": stats.worker_busy_s, "chains_drafted": stats.chains_drafted,
+            "hits_by_k": list(stats.hits_by_k), "misses_by_k": list(stats.misses_by_k)}
 
 
 def _ssd_run_stats(llm, before: dict | None) -> dict:
@@ -606,11 +615,20 @@ def _ssd_run_stats(llm, before: dict | None) -> dict:
     after = _ssd_counts(llm)
     if after is None or before is None:
         return {"degraded_from": llm.engine.degraded_from}
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before[k] for k in after if not k.endswith("_by_k")}
+    n = len(after["hits_by_k"])
+    hk = [after["hits_by_k"][i] - (before["hits_by_k"][i] if i < len(before["hits_by_k"]) else 0) for i in range(n)]
+    mk = [after["misses_by_k"][i] - (before["misses_by_k"][i] if i < len(before["misses_by_k"]) else 0)
+          for i in range(n)]
     asked = d["hits"] + d["misses"]
-    busy = d["wait_s"] + d["verify_s"]
+    busy = d["wait_s"] + d["verify_s"]         # decode time of the target: verifying or waiting
     return {"cache_hit_rate": d["hits"] / asked if asked else None,
+            "cache_hit_rate_by_k": [h / (h + m) if h + m else None for h, m in zip(hk, mk)],
             "tokens_per_round_on_hit": d["hit_tokens"] / d["hits"] if d["hits"] else None,
             "tokens_per_round_on_miss": d["miss_tokens"] / d["misses"] if d["misses"] else None,
             "target_idle_fraction": d["wait_s"] / busy if busy else None,
-            "degraded_from": llm.engine.degraded_from}
+            "draft_busy_fraction": min(d["worker_busy_s"] / busy, 1.0) if busy else None,
+            "ms_per_round": 1e3 * busy / d["rounds"] if d["rounds"] else None,
+            "verify_ms_per_round": 1e3 * d["verify_s"] / d["rounds"] if d["rounds"] else None,
+            "partial_hits": d["partial_hits"], "fast_backups": d["fast_backups"],
+            "chains_drafted": d["chains_drafted"], "degraded_from": llm.engine.degraded_from}
