@@ -11,7 +11,7 @@ from ssd.models.decoder import DecoderModel
 from ssd.models.loader import SafetensorsWeights
 
 
-def build_ours(path, dtype=torch.float32, packed=False):
+def build_ours(path, dtype=torch.float32, packed=None):
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     return DecoderModel(cfg, SafetensorsWeights(path), dtype, packed, max_positions=256)
 
@@ -67,7 +67,7 @@ def test_ragged_batch_equals_single_sequences(tiny_hf):
 
 def test_fbgemm_fp16_path_close_to_fp32(tiny_hf):
     kind, path, hf = tiny_hf
-    ours = build_ours(path, dtype=torch.float16, packed=True)
+    ours = build_ours(path, dtype=torch.float16, packed="fp16")
     tokens = list(range(3, 30))
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float()

@@ -113,9 +113,10 @@ def cmd_generate(args) -> int:
     llm.close()
     if args.metrics and final is not None:
         extra = ""
-        stats = getattr(llm.engine.step_impl, "stats", None)
-        if hasattr(stats, "hits") and stats.hits + stats.misses:     # SSD: this request's rounds
-            extra = f" | cache hit rate {stats.hits / (stats.hits + stats.misses):.2f}"
+        stats = getattr(llm.engine.step_impl, "stats", None)      # SSD: this request's rounds
+        hit = stats.to_dict().get("cache_hit_rate") if hasattr(stats, "to_dict") else None
+        if hit is not None:
+            extra = f" | cache hit rate {hit:.2f}"
         print(f"[{llm.config.mode}] {format_metrics(final.metrics)}{extra} | finish: {final.finish_reason}",
               file=sys.stderr)
     return 0
@@ -218,7 +219,7 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
 
 def cmd_chat(args) -> int:
     params = _params(args)      # validate before loading models
-    llm = _llm(args, trace=False)
+    llm = _llm(args)
     return chat_repl(llm, params, system=args.system, show_metrics=args.metrics)
 
 

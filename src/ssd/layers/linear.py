@@ -19,13 +19,6 @@ def fbgemm_fp16_available() -> bool:
     return hasattr(torch.ops.quantized, "linear_prepack_fp16") and "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def backend_name(packed: bool | str | None) -> str:
-    """plain | fp16 | int8 from the loader's choice (True means fp16)."""
-    if packed is True:
-        return "fp16"
-    return packed or "plain"
-
-
 def _quantize_rows_int8(w: torch.Tensor):
     """Symmetric int8 per output row (FBGEMM's packed format)."""
     import warnings
@@ -41,12 +34,10 @@ class Linear(nn.Module):
     """y = x @ W.T + b. `packed`: "fp16" (FBGEMM fp16 weights, fp32 activations), "int8" (FBGEMM
     int8 weights, dynamically quantized activations), or plain torch matmul in `dtype`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool | str | None,
-                 dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: str | None, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.backend = backend_name(packed)
-        self.packed_fp16 = self.backend == "fp16"
+        self.backend = packed or "plain"
         if self.backend != "plain":
             b = None if bias is None else bias.float()
             if self.backend == "fp16":

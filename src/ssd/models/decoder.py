@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """forward(tokens [T], positions [T], meta, kv caches) -> hidden [T, hidden]; logits(hidden) -> [N, vocab]."""
 
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, packed: bool | str | None,
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, packed: str | None,
                  max_positions: int):
         super().__init__()
         self.cfg = cfg

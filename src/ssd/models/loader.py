@@ -29,8 +29,8 @@ class LoadedModel:
     dtype_name: str
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, bool | str]:
-    """-> (storage dtype, FBGEMM backend: False | True (fp16) | "int8").
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str | None]:
+    """-> (storage dtype, FBGEMM backend: None | "fp16" | "int8").
     'auto' = fp16 weights via FBGEMM on CPU, bf16 on CUDA. 'int8' = FBGEMM int8 (CPU only)."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else ("float16" if fbgemm_fp16_available() else "float32")
@@ -41,7 +41,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, bool |
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16, int8")
     td = DTYPES[dtype]
-    packed = device.type == "cpu" and td == torch.float16
+    packed = "fp16" if device.type == "cpu" and td == torch.float16 else None
     if packed and not fbgemm_fp16_available():
         raise ValueError("dtype float16 on CPU needs PyTorch's FBGEMM backend, which this build lacks; "
                          "use dtype float32 or bfloat16")
@@ -101,7 +101,7 @@ def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device
         model = DecoderModel(cfg, lambda n: get(n).to(device), td, packed, max_pos)
     model.eval()
     tok = load_tokenizer(path)
-    name = {True: "float16 (FBGEMM, fp32 activations)", "int8": "int8 (FBGEMM, per-row weights, dynamic "
+    name = {"fp16": "float16 (FBGEMM, fp32 activations)", "int8": "int8 (FBGEMM, per-row weights, dynamic "
             "activations)"}.get(packed, str(td).replace("torch.", ""))
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", path.name, cfg.architecture, cfg.num_layers,
              name, device, time.perf_counter() - t0)

@@ -363,6 +363,8 @@ class DraftWorker:
                 break
             if poll is not None and poll():
                 log.debug("pre-draft stopped: the engine is asking")
+                if not main:
+                    self.stats["chains_drafted"] += sum(1 for c in chains if c.tokens)
                 return chains, True
             items = []
             for i in active:
