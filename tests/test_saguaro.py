@@ -22,7 +22,7 @@ from test_verify import Round, outcomes_from_verify
 from ssd.speculation.backup import ngram_proposal, onehot_probs
 from ssd.speculation.cache import candidate_outcomes, ranked_tokens
 from ssd.speculation.fanout import geometric_fanout
-from ssd.speculation.saguaro import saguaro_proposal, top_ranks
+from ssd.speculation.saguaro import saguaro_proposal, top_mask, top_ranks
 
 torch.set_num_threads(1)
 
@@ -240,6 +240,18 @@ def test_saguaro_proposal_values() -> None:
     torch.testing.assert_close(saguaro_proposal(ties, 2, 0.0), torch.tensor([0.0, 0.0, 0.5, 0.5]))
     assert top_ranks(ties).tolist() == [0, 1, 2, 3]
     torch.testing.assert_close(saguaro_proposal(q, 4, 0.3), q)  # every token scaled alike
+
+
+def test_top_mask_equals_the_sorted_rank_rule_with_ties() -> None:
+    """The top-k-based mask the draft uses per step names the same tokens as a full stable sort."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        v = int(torch.randint(1, 40, (1,), generator=g))
+        q = torch.randint(0, 4, (3, v), generator=g).float()          # many ties, zeros
+        f = torch.randint(0, v + 2, (3,), generator=g)
+        assert torch.equal(top_mask(q, f), top_ranks(q) < f[:, None])
+        one = torch.tensor(int(torch.randint(0, v + 1, (1,), generator=g)))
+        assert torch.equal(top_mask(q, one), top_ranks(q) < one)
 
 
 def test_saguaro_proposal_falls_back_per_row_and_takes_fan_out_per_position() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["saguaro_proposal", "top_ranks"]
+__all__ = ["saguaro_proposal", "top_mask", "top_ranks"]
 
 
 def top_ranks(q: Tensor) -> Tensor:
@@ -34,6 +34,23 @@ def top_ranks(q: Tensor) -> Tensor:
     order = torch.sort(q, dim=-1, descending=True, stable=True).indices
     positions = torch.arange(q.shape[-1], device=q.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, positions)
+
+
+def top_mask(q: Tensor, fan_out: Tensor) -> Tensor:
+    """top_ranks(q) < fan_out[..., None], without sorting the whole vocabulary: a top-k for the
+    threshold value, then ties at the threshold taken lowest token id first (the same rule)."""
+    f = fan_out.expand(q.shape[:-1])
+    fmax = int(f.max()) if f.numel() else 0
+    if fmax <= 0:
+        return torch.zeros_like(q, dtype=torch.bool)
+    fmax = min(fmax, q.shape[-1])
+    vals = q.topk(fmax, dim=-1).values
+    thr = vals.gather(-1, (f.clamp(1, fmax) - 1)[..., None])
+    above = q > thr
+    need = (f.clamp(max=fmax)[..., None] - above.sum(-1, keepdim=True))
+    ties = q == thr
+    top = above | (ties & (ties.cumsum(-1) <= need))
+    return top & (f[..., None] > 0)
 
 
 def saguaro_proposal(q: Tensor, fan_out: int | Tensor, c: float) -> Tensor:
@@ -54,7 +71,7 @@ def saguaro_proposal(q: Tensor, fan_out: int | Tensor, c: float) -> Tensor:
         raise ValueError(f"fan_out must be a non-negative integer (tensor), got {fan_out}")
     if c == 1.0 or not bool((fan_out > 0).any()):
         return q
-    top = top_ranks(q) < fan_out.long()[..., None]
+    top = top_mask(q, fan_out.long())
     scaled = torch.where(top, q * c, q)
     mass = scaled.sum(dim=-1, keepdim=True)
     usable = mass > torch.finfo(scaled.dtype).eps
