@@ -20,9 +20,9 @@ class LocalDraftClient:
         self.tamper = tamper
         self.stop_after_steps = stop_after_steps   # simulate the engine asking mid pre-draft
 
-    def add(self, seq) -> None:
+    def add(self, seq, tokens=None) -> None:
         p = seq.params
-        self.worker.add(seq.seq_id, seq.all_token_ids,
+        self.worker.add(seq.seq_id, seq.all_token_ids if tokens is None else tokens,
                         SeqParams(p.temperature, p.top_k, p.top_p, p.seed if p.seed is not None else 0))
 
     def free(self, ids) -> None:
@@ -43,6 +43,9 @@ class LocalDraftClient:
         self.worker.spans.clear()
         return ([r.tokens for r in replies], [r.probs for r in replies], codes, self.worker.busy_s,
                 self.worker.stats["chains_drafted"], spans)
+
+    def abandon(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

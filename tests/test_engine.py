@@ -70,7 +70,7 @@ def test_sd_spec_max_batch_decodes_big_batches_autoregressively(tiny_pair, ar_ou
     one = sd.generate(PROMPTS[:2], GREEDY)                     # 2 <= 2: speculates (self-draft: all accepted)
     assert [o.token_ids for o in one] == ar_outputs[:2]
     assert all(o.metrics.target_forwards < GREEDY.max_tokens // 2 for o in one)
-    with pytest.raises(ValueError, match="mode 'sd' only"):
+    with pytest.raises(ValueError, match="modes 'sd' and 'ssd'"):
         LLM(str(target), spec_max_batch=2, dtype="float32", progress=False)
 
 

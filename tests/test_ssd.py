@@ -43,6 +43,28 @@ def test_ssd_greedy_equals_ar(monkeypatch, tiny_pair, ar_ref, draft, predraft, b
         assert stats.fast_backups > 0
 
 
+def test_ssd_spec_max_batch_runs_one_token_rounds_then_catches_up(monkeypatch, tiny_pair, ar_ref):
+    target, _ = tiny_pair
+    llm, client = local_ssd(monkeypatch, target, target, llm_kw=dict(spec_max_batch=2))
+    asked = []
+    speculate = client.speculate
+    monkeypatch.setattr(client, "speculate", lambda reqs, *a: asked.append(len(reqs)) or speculate(reqs, *a))
+    outs = llm.generate(PROMPTS, GREEDY)                       # 5 sequences > 2: one token per round
+    assert [o.token_ids for o in outs] == ar_ref
+    assert all(o.metrics.target_forwards == GREEDY.max_tokens - 1 for o in outs)
+    stats = llm.engine.step_impl.stats
+    assert stats.hits == stats.misses == 0 and not asked       # the worker was never asked
+    assert not client.worker.seqs                              # and holds nothing
+    # 3 sequences, one short: one-token rounds until it ends, then the worker catches up on the
+    # other two and speculation resumes (self-draft: all accepted, mostly from the cache)
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    mixed = llm.generate(PROMPTS[:3], [short, GREEDY, GREEDY])
+    assert mixed[0].token_ids == ar_ref[0][:6]
+    assert [o.token_ids for o in mixed[1:]] == ar_ref[1:3]
+    assert all(o.metrics.target_forwards < 5 + (GREEDY.max_tokens - 6) // 2 for o in mixed[1:])
+    assert stats.hits > 0 and set(asked) == {2}
+
+
 def test_real_worker_process_and_kill_falls_back_to_ar(tiny_pair, ar_ref):
     target, draft = tiny_pair
     llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False,
@@ -60,6 +82,35 @@ def test_real_worker_process_and_kill_falls_back_to_ar(tiny_pair, ar_ref):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref   # later requests too
     finally:
         llm.close()
+
+
+def test_hung_worker_times_out_and_every_request_finishes_exactly(tiny_pair, ar_ref):
+    """A worker that stops answering (SIGSTOP: alive, silent) is given up on after worker_timeout_s;
+    the in-flight requests finish with local AR, identical to AR, and closing does not hang."""
+    import time
+
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=8)
+    pid = llm._client.pid
+    try:
+        stream = llm.stream(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        got = next(stream).token_ids + next(stream).token_ids
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        for chunk in stream:
+            got += chunk.token_ids
+        assert got == ar_ref[1]
+        assert time.monotonic() - t0 < 30
+        assert llm.engine.degraded_from == "ssd"
+    finally:
+        t0 = time.monotonic()
+        llm.close()
+        assert time.monotonic() - t0 < 3     # the hung worker was killed, not asked to shut down
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_worker_start_failure_is_a_clear_error(tiny_pair, tmp_path):

@@ -19,9 +19,9 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    "the target verifies); default: sd with a draft, else ar")
     g.add_argument("--k", type=int, default=4, help="draft tokens per speculation round (default %(default)s)")
     g.add_argument("--spec-max-batch", type=int, default=None,
-                   help="sd: speculate only while at most this many sequences decode together; larger batches "
-                   "decode autoregressively (on a CPU a batched verify of K+1 tokens per sequence can cost more "
-                   "than it saves)")
+                   help="sd/ssd: speculate only while at most this many sequences decode together; larger "
+                   "batches decode one token per round (on a CPU a batched verify of K+1 tokens per sequence can "
+                   "cost more than it saves)")
     g.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
     g.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")

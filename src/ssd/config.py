@@ -25,7 +25,7 @@ class EngineConfig:
     kv_cache_gb: float = 1.0             # KV memory of the target; the draft gets the same number of slots
     block_size: int = 16
     max_num_seqs: int = 16
-    spec_max_batch: int | None = None    # sd: draft only while the decode batch has at most this many
+    spec_max_batch: int | None = None    # sd/ssd: draft only while the decode batch has at most this many
                                          # sequences; larger batches decode autoregressively (exact either way)
     max_num_batched_tokens: int = 4096
     progress: bool = True
@@ -60,8 +60,8 @@ class EngineConfig:
                              "mode 'sd' to run the draft on a GPU")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.spec_max_batch is not None and (self.spec_max_batch < 1 or self.mode != "sd"):
-            raise ValueError(f"spec_max_batch must be >= 1 and applies to mode 'sd' only (got {self.spec_max_batch} "
+        if self.spec_max_batch is not None and (self.spec_max_batch < 1 or self.mode == "ar"):
+            raise ValueError(f"spec_max_batch must be >= 1 and applies to modes 'sd' and 'ssd' (got {self.spec_max_batch} "
                              f"with mode {self.mode!r})")
         if self.prefill_threads is not None and self.prefill_threads < 1:
             raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")

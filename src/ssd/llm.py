@@ -58,7 +58,7 @@ class LLM:
                                 cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
                                 Tracer() if cfg.trace else None)
         self.engine.prefill_threads = cfg.prefill_threads
-        if cfg.mode == "sd":
+        if cfg.mode in ("sd", "ssd"):
             self.engine.step_impl.max_spec_batch = cfg.spec_max_batch
         self._client = draft_client
 

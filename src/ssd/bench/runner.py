@@ -59,7 +59,7 @@ class BenchConfig:
     temperature: float = 0.0                 # 0 = greedy
     batch_size: int = 1                      # concurrent requests per generate() call
     threads: int | None = None
-    spec_max_batch: int | None = None        # sd: larger decode batches run autoregressively
+    spec_max_batch: int | None = None        # sd/ssd: larger decode batches run one-token rounds
     prefill_threads: int | None = None       # default: threads (equal placement: SSD's prefill gets them all)
     dtype: str = "auto"
     device: str = "cpu"
@@ -243,7 +243,7 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
                max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress, trace=True,
                **(cfg.ssd_options if mode == "ssd" else {}),
-               **({"spec_max_batch": cfg.spec_max_batch} if mode == "sd" and cfg.spec_max_batch else {}))
+               **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}))
 
 
 def _params(cfg: BenchConfig, index: int, max_tokens: int | None = None):

@@ -82,6 +82,7 @@ class DraftClient:
                  backup: str = "auto", timeout_s: float = 60.0, num_blocks: int = 4096, block_size: int = 16,
                  max_model_len: int = 4096, listen: str | None = None):
         self.proc = None
+        self.abandoned = False
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
         if listen is None:
             cmd = [sys.executable, "-m", "ssd.speculation.draft_worker", "--connect", f"{host}:{port}",
@@ -132,10 +133,11 @@ class DraftClient:
             self.close()
             raise DraftWorkerError(f"could not set up the engine/worker link on {host}:{port}: {err[0]}")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, tokens: list[int] | None = None) -> None:
+        """Start drafting for `seq` from `tokens` (default: all of its tokens)."""
         p = seq.params
         seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        toks = seq.all_token_ids
+        toks = seq.all_token_ids if tokens is None else tokens
         self.chan.send(Msg.ADD, [seq.seq_id, seed, p.top_k, len(toks), *toks], [p.temperature, p.top_p])
 
     def free(self, seq_ids: list[int]) -> None:
@@ -164,13 +166,21 @@ class DraftClient:
                   ints[pos + 4 + 3 * i] / 1e6) for i in range(n_spans)]
         return tokens, probs, codes, float(msg.floats[-1]), chains, spans
 
+    def abandon(self) -> None:
+        """Give up on the worker: kill it if it is our process; no more messages are sent to it."""
+        self.abandoned = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def close(self) -> None:
         try:
             if torch.distributed.is_initialized():
-                try:
-                    self.chan.send(Msg.SHUTDOWN)
-                except Exception:
-                    pass
+                if not self.abandoned:
+                    try:
+                        self.chan.send(Msg.SHUTDOWN)
+                    except Exception:
+                        pass
                 torch.distributed.destroy_process_group()
         except Exception:
             pass
@@ -190,27 +200,43 @@ class SSDStep:
         self.vocab = target.model.cfg.vocab_size
         self.tracer = tracer
         self.last_verify_s = 0.0
+        self.max_spec_batch: int | None = None   # larger decode batches ask for no draft (one-token rounds)
+
+    def _fail(self, error: BaseException) -> None:
+        """The worker died or stopped answering: stop it for good (a hung worker would otherwise make
+        every later message wait for the timeout), then let the engine degrade to local AR."""
+        self.client.abandon()
+        self.on_failure(error)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         try:
             for s in seqs:
                 self.client.add(s)
         except Exception as e:
-            self.on_failure(e)
+            self._fail(e)
         with self.tracer.span("target", "prefill"):
             prefill_and_sample(self.target, seqs)
         for s in seqs:
             s.ssd_outcome = (0, s.output_token_ids[-1])
 
     def decode(self, seqs: list[Sequence]) -> None:
+        from ssd.engine.ar import ARStep
+
+        if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch:
+            # plain one-token rounds without asking the worker: it drops these sequences now and gets
+            # them back (prefix-cached, so only the new tokens are recomputed) when speculation resumes
+            self._detach([s for s in seqs if not getattr(s, "ssd_detached", False)])
+            ARStep(self.target, self.tracer).decode(seqs)
+            return
         k_eff = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
         reqs = [(s.seq_id, *s.ssd_outcome, k) for s, k in zip(seqs, k_eff)]
         t0 = time.perf_counter()
         try:
+            self._reattach([s for s in seqs if getattr(s, "ssd_detached", False)])
+            reqs = [(s.seq_id, *s.ssd_outcome, k) for s, k in zip(seqs, k_eff)]
             drafts, qs, codes, busy, chains, spans = self.client.speculate(reqs, self.vocab, self.last_verify_s)
         except Exception as e:
-            self.on_failure(e)
-            from ssd.engine.ar import ARStep
+            self._fail(e)
             ARStep(self.target, self.tracer).decode(seqs)
             return
         t1 = time.perf_counter()
@@ -230,19 +256,41 @@ class SSDStep:
         st.wait_s += t1 - t0
         st.verify_s += t2 - t1
         st.worker_busy_s, st.chains_drafted = busy, chains
-        for s, n, code, b0, (_, k_prev, _, _) in zip(seqs, accepted, codes, before, reqs):
-            if s.spec.rounds > 1:   # the first round after prefill has no speculation to hit
+        for s, n, code, b0, (_, k_prev, _, _), d in zip(seqs, accepted, codes, before, reqs, drafts):
+            # a hit or a miss needs a speculation last round (none after prefill or a one-token round) to
+            # have been pre-drafted after, and a speculation asked for now
+            if getattr(s, "ssd_spec_len", 0) and d:
                 st.record(k_prev, code == 1, len(s.output_token_ids) - b0, self.k)
+            s.ssd_spec_len = len(d)
             st.fast_backups += code == 2
             st.partial_hits += code == 3
             s.ssd_outcome = (n, s.output_token_ids[-1])
             s.ssd_hits = getattr(s, "ssd_hits", 0) + (code == 1)
 
+    def _detach(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        for s in seqs:
+            s.ssd_detached = True
+        try:
+            self.client.free([s.seq_id for s in seqs])
+        except Exception as e:
+            self._fail(e)
+
+    def _reattach(self, seqs: list[Sequence]) -> None:
+        """Hand detached sequences back to the worker as after a prefill: all tokens but the last, whose
+        outcome (0 accepted, bonus = last token) the next request carries."""
+        for s in seqs:
+            self.client.add(s, s.all_token_ids[:-1])
+            s.ssd_detached = False
+            s.ssd_outcome = (0, s.all_token_ids[-1])
+            s.ssd_spec_len = 0
+
     def release(self, seq: Sequence) -> None:
         try:
             self.client.free([seq.seq_id])
         except Exception as e:
-            self.on_failure(e)
+            self._fail(e)
 
 
 def _split(hostport: str) -> tuple[str, int]:

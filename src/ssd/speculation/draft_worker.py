@@ -151,7 +151,9 @@ class DraftWorker:
         cached = self.bm.allocate(seq_id, tokens)
         self.runner.forward([ForwardItem(seq_id, tokens[cached:], cached, 0)])
         self.bm.commit(seq_id, tokens)
-        self.seqs[seq_id] = WorkerSeq(seq_id, params, list(tokens), len(tokens))
+        # rounds are numbered from the context length: a sequence added again later (after one-token
+        # rounds without the worker) never reuses a round number, so no chain seed repeats
+        self.seqs[seq_id] = WorkerSeq(seq_id, params, list(tokens), len(tokens), round=len(tokens))
         self._spent(3, t0)
 
     def free(self, seq_id: int) -> None:
@@ -180,7 +182,7 @@ class DraftWorker:
             chain = s.chains.get((k, t)) if want == self.k else None
             full = chain is not None and chain.complete
             self._update_acceptance(s, k, t)
-            if s.spec:
+            if s.spec and want:      # a round that asks for no draft is neither a hit nor a miss
                 self.stats["hits_by_k" if full else "misses_by_k"][k] += 1
                 self.stats["hits" if full else "misses"] += 1
                 self.tokens_per_round[s.source].update(k + 1)
