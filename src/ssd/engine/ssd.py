@@ -229,7 +229,6 @@ class SSDStep:
             ARStep(self.target, self.tracer).decode(seqs)
             return
         k_eff = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
-        reqs = [(s.seq_id, *s.ssd_outcome, k) for s, k in zip(seqs, k_eff)]
         t0 = time.perf_counter()
         try:
             self._reattach([s for s in seqs if getattr(s, "ssd_detached", False)])
