@@ -23,7 +23,8 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    "batches decode one token per round (on a CPU a batched verify of K+1 tokens per sequence can "
                    "cost more than it saves)")
     g.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
-    g.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
+    g.add_argument("--draft-device", default=None, help="device of the draft (default: --device for sd; "
+                   "for ssd the worker's own CPU core, or cuda:N — not yet run on a GPU by our tests)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
     g.add_argument("--prefill-threads", type=int, default=None,
                    help="CPU threads for prompt prefill (default: --threads); with --mode ssd on a CPU, the "

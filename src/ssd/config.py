@@ -54,10 +54,11 @@ class EngineConfig:
             raise ValueError(f"backup must be 'auto', 'neural' or 'fast', got {self.backup!r}")
         if not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
-        if self.mode == "ssd" and (self.draft_device or "cpu") != "cpu":
-            raise ValueError(f"mode 'ssd' runs its draft worker on CPU cores in this version (draft_device "
-                             f"{self.draft_device!r} is not supported yet): use draft_cores=[...] for SSD, or "
-                             "mode 'sd' to run the draft on a GPU")
+        for name in ("device", "draft_device"):
+            check_device(name, getattr(self, name))
+        if self.mode == "ssd" and self.draft_host is not None and self.draft_device is not None:
+            raise ValueError("draft_device applies to a local SSD worker; a remote worker (draft_host) picks its "
+                             "device itself (`ssd draft-worker --device ...`)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.spec_max_batch is not None and (self.spec_max_batch < 1 or self.mode == "ar"):
@@ -65,3 +66,25 @@ class EngineConfig:
                              f"with mode {self.mode!r})")
         if self.prefill_threads is not None and self.prefill_threads < 1:
             raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")
+
+
+def check_device(name: str, device: str | None) -> None:
+    """'cpu' or 'cuda[:N]' that this machine has; a clear ValueError otherwise."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{name} {device!r} is not a device: use 'cpu' or 'cuda:N'") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(f"{name} {device!r}: only 'cpu' and 'cuda:N' are supported")
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"{name} {device!r} was requested but CUDA is not available ({why}): use 'cpu', or "
+                         "install a CUDA build of torch on a machine with a GPU")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"{name} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")

@@ -38,7 +38,9 @@ class LLM:
         mcfg = self.target.config
         self.max_model_len = min(cfg.max_model_len, mcfg.max_position_embeddings)
         target_runner = self._runner(self.target, cfg.device, None)
-        self.draft_dtype = draft_dtype_for(cfg.dtype, cfg.draft_dtype, cfg.draft_device or cfg.device)
+        # SSD's local worker runs on CPU cores unless draft_device names a GPU; SD's draft defaults to device
+        draft_device = (cfg.draft_device or "cpu") if cfg.mode == "ssd" else (cfg.draft_device or cfg.device)
+        self.draft_dtype = draft_dtype_for(cfg.dtype, cfg.draft_dtype, draft_device)
         draft_runner = None
         draft_client = None
         self.draft = None
@@ -69,7 +71,8 @@ class LLM:
         (the worker is mostly idle then)."""
         import os
 
-        if cfg.mode != "ssd" or cfg.threads is not None or cfg.draft_host is not None or cfg.device != "cpu":
+        if cfg.mode != "ssd" or cfg.threads is not None or cfg.draft_host is not None or cfg.device != "cpu" \
+                or (cfg.draft_device or "cpu") != "cpu":
             return
         usable = len(os.sched_getaffinity(0))
         worker = len(cfg.draft_cores) if cfg.draft_cores else 1
@@ -92,13 +95,18 @@ class LLM:
         path = resolve_model(cfg.draft, progress=cfg.progress)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         check_vocab_compatible(self.tokenizer, load_tokenizer(path), self.target.config.vocab_size, vocab)
+        device = cfg.draft_device or "cpu"
         cores = cfg.draft_cores
-        if cores is None and cfg.draft_host is None and (os.cpu_count() or 1) > 1:
+        if cores is None and device == "cpu" and cfg.draft_host is None and (os.cpu_count() or 1) > 1:
             cores = [sorted(os.sched_getaffinity(0))[-1]]
+        if device != "cpu":
+            log.warning("SSD draft worker on %s: this path has not been run on a GPU by our test suite (the "
+                        "same code runs on CPU in it); engine and worker still talk over gloo, not NCCL", device)
         return DraftClient(str(path), self.draft_dtype, cfg.k, threads=cfg.draft_threads or 1, cores=cores,
                            fanout_budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c, backup=cfg.backup,
                            timeout_s=cfg.worker_timeout_s, num_blocks=target_runner.block_manager.num_blocks,
-                           block_size=cfg.block_size, max_model_len=self.max_model_len, listen=cfg.draft_host)
+                           block_size=cfg.block_size, max_model_len=self.max_model_len, listen=cfg.draft_host,
+                           device=device)
 
     def write_trace(self, path) -> None:
         """Write the target/draft timeline as Chrome/Perfetto trace JSON (needs LLM(..., trace=True))."""

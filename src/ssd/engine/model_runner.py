@@ -69,6 +69,7 @@ class ModelRunner:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV of cache slots src -> dst in every layer (reusing already computed entries)."""
+        src, dst = src.to(self.device), dst.to(self.device)
         for k, v in self.kv_caches:
             k.index_copy_(0, dst, k[src])
             v.index_copy_(0, dst, v[src])

@@ -80,13 +80,13 @@ class DraftClient:
     def __init__(self, model_path: str, dtype: str, k: int, *, threads: int | None = None,
                  cores: list[int] | None = None, fanout_budget: int | None = None, saguaro_c: float = 1.0,
                  backup: str = "auto", timeout_s: float = 60.0, num_blocks: int = 4096, block_size: int = 16,
-                 max_model_len: int = 4096, listen: str | None = None):
+                 max_model_len: int = 4096, listen: str | None = None, device: str = "cpu"):
         self.proc = None
         self.abandoned = False
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
         if listen is None:
             cmd = [sys.executable, "-m", "ssd.speculation.draft_worker", "--connect", f"{host}:{port}",
-                   "--model", model_path, "--dtype", dtype, "--k", str(k),
+                   "--model", model_path, "--dtype", dtype, "--device", device, "--k", str(k),
                    "--saguaro-c", str(saguaro_c), "--backup", backup, "--timeout", str(timeout_s),
                    "--num-blocks", str(num_blocks), "--block-size", str(block_size),
                    "--max-model-len", str(max_model_len)]

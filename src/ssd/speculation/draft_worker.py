@@ -259,7 +259,7 @@ class DraftWorker:
             for _ in range(reps):
                 self.bm.append(sid, r)
                 t0 = time.perf_counter()
-                self.runner.forward([ForwardItem(sid, [0] * r, ctx, r)])
+                self.runner.forward([ForwardItem(sid, [0] * r, ctx, r)])[0].cpu()   # waits for a GPU too
                 ts.append(time.perf_counter() - t0)
                 self.bm.rollback(sid, r)
             times[r] = sorted(ts)[reps // 2]
@@ -386,7 +386,9 @@ class DraftWorker:
                     main_slots = block_slots(self.bm.block_table(s.seq_id), self.bm.block_size, j.pos)
                     own = self._region_slots(c.region)[:cur + 1]
                     items.append(ForwardItem(s.seq_id, feed, pos, 1, torch.cat([main_slots, own])))
-            logits = torch.cat(self.runner.forward(items))[:, :self.vocab].float()
+            # sampling and ranking stay on the CPU (per-request CPU generators); on a GPU this copy is
+            # also the step's synchronization point
+            logits = torch.cat(self.runner.forward(items))[:, :self.vocab].float().cpu()
             rows = torch.tensor(active)
             q = logits_to_probs(logits, temp[rows], top_k[rows], top_p[rows])
             soft = torch.softmax(logits / temp[rows].clamp_min(1e-3).where(temp[rows] > 0, 1.0).unsqueeze(1), -1)
@@ -457,7 +459,7 @@ class DraftWorker:
             return
         for (s, first), lg in zip(idx, self.runner.forward(items)):
             temp = torch.tensor([max(s.params.temperature, 1.0) if s.params.greedy else s.params.temperature])
-            pr = torch.softmax(lg[:, :self.vocab].float() / temp, dim=-1)
+            pr = torch.softmax(lg[:, :self.vocab].float().cpu() / temp, dim=-1)
             for r in range(pr.shape[0]):
                 k = first + r - (len(s.ctx) - 1)
                 if k not in s.dists:
@@ -480,7 +482,7 @@ def _chain_seed(seed: int, seq_id: int, rnd: int, k: int, t: int) -> int:
 # ---- the worker process -------------------------------------------------------------------------
 def serve(host: str, port: int, model: str, dtype: str, k: int, threads: int | None, cores: list[int] | None,
           fanout_budget: int | None, saguaro_c: float, backup: str, timeout_s: float, num_blocks: int,
-          block_size: int, max_model_len: int) -> None:
+          block_size: int, max_model_len: int, device: str = "cpu") -> None:
     """Join the engine's process group as rank 1, load the draft and serve until SHUTDOWN."""
     import os
 
@@ -494,14 +496,15 @@ def serve(host: str, port: int, model: str, dtype: str, k: int, threads: int | N
     store = init_group(host, port, rank=1, timeout_s=timeout_s)
     chan = Channel(peer=0, store=store)
     try:
-        loaded = load_model(model, dtype, "cpu", max_model_len + 32, progress=False)
-        runner = ModelRunner(loaded.model, num_blocks, block_size, torch.device("cpu"))
+        loaded = load_model(model, dtype, device, max_model_len + 32, progress=False)
+        runner = ModelRunner(loaded.model, num_blocks, block_size, torch.device(device))
         worker = DraftWorker(runner, loaded.config.vocab_size, k, fanout_budget, saguaro_c, backup)
     except Exception as e:  # report, then exit: the engine turns it into a clear start-up error
         chan.send(Msg.ERROR, error_message(f"draft worker could not load {model!r}: {e}"))
         raise
     chan.send(Msg.HELLO, [loaded.config.vocab_size, os.getpid(), k])
-    log.info("draft worker ready (pid %d, cores %s, threads %d)", os.getpid(), cores, torch.get_num_threads())
+    log.info("draft worker ready (pid %d, %s, cores %s, threads %d)", os.getpid(), device, cores,
+             torch.get_num_threads())
     with torch.inference_mode():
         while True:
             worker.predraft(poll=chan.pending)
@@ -551,6 +554,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--connect", required=True, help="HOST:PORT of the engine's rendezvous")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N: where the draft model runs")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to pin to")
@@ -568,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     host, port = a.connect.rsplit(":", 1)
     cores = [int(c) for c in a.cores.split(",")] if a.cores else None
     serve(host, int(port), a.model, a.dtype, a.k, a.threads, cores, a.fanout_budget, a.saguaro_c, a.backup,
-          a.timeout, a.num_blocks, a.block_size, a.max_model_len)
+          a.timeout, a.num_blocks, a.block_size, a.max_model_len, a.device)
 
 
 if __name__ == "__main__":
