@@ -201,6 +201,7 @@ def test_ssd_mode_reports_cache_metrics(tiny_pair, tmp_path):
     cfg = _cfg(tiny_pair, tmp_path, modes=["ar", "ssd"], prompts={"code": PROMPTS["code"]}, bandwidth=False,
                ssd_options={"worker_timeout_s": 30})
     res = run_bench(cfg)
+    assert res["config"]["ssd_options"] == {"worker_timeout_s": 30}     # the SSD settings are on record
     ssd = [r for r in res["runs"] if r["mode"] == "ssd"][0]
     assert ssd["matches_ar"] == 1.0 and ssd["degraded_from"] is None
     assert 0 <= ssd["cache_hit_rate"] <= 1 and len(ssd["cache_hit_rate_by_k"]) == 4

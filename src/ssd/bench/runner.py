@@ -464,6 +464,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         config["ssd_target_threads"] = mode_threads(cfg, "ssd")
         config["ssd_draft_threads"] = cfg.ssd_options.get("draft_threads") or 1
         config["ssd_prefill_threads"] = cfg.prefill_threads or cfg.threads
+        config["ssd_options"] = {k: v for k, v in cfg.ssd_options.items() if v is not None}
     if cfg.peers:
         config["peer_dtype"] = cfg.peer_dtype
         if cfg.dtype == "auto":
