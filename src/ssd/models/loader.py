@@ -29,9 +29,18 @@ class LoadedModel:
     dtype_name: str
 
 
+LOW_BIT = ("gguf", "q8_0")
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str | None]:
-    """-> (storage dtype, FBGEMM backend: None | "fp16" | "int8").
-    'auto' = fp16 weights via FBGEMM on CPU, bf16 on CUDA. 'int8' = FBGEMM int8 (CPU only)."""
+    """-> (storage dtype, backend: None | "fp16" | "int8" | "gguf").
+    'auto' = fp16 weights via FBGEMM on CPU, bf16 on CUDA (load_model picks 'gguf' first for GGUF
+    models on CPU). 'int8' = FBGEMM int8 (CPU only). 'gguf' = the GGUF's low-bit weights as stored,
+    'q8_0' = load-time Q8_0 quantization of float weights (lossy), both on the low-bit kernel."""
+    if dtype in LOW_BIT:
+        if device.type != "cpu":
+            raise ValueError(f"dtype {dtype} runs on the CPU low-bit kernels; on CUDA use bfloat16")
+        return torch.float32, "gguf"
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else ("float16" if fbgemm_fp16_available() else "float32")
     if dtype == "int8":
@@ -39,7 +48,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str | 
             raise ValueError("dtype int8 needs a CPU with PyTorch's FBGEMM backend; on CUDA use bfloat16")
         return torch.float16, "int8"
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16, int8")
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, gguf, q8_0, float32, bfloat16, float16, "
+                         "int8")
     td = DTYPES[dtype]
     packed = "fp16" if device.type == "cpu" and td == torch.float16 else None
     if packed and not fbgemm_fp16_available():
@@ -48,15 +58,64 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str | 
     return td, packed
 
 
-def draft_dtype_for(dtype: str, draft_dtype: str | None, device: str | torch.device) -> str:
-    """The draft's dtype: as asked; else int8 on a CPU with FBGEMM when the target's dtype is 'auto'
-    (a draft's numerics change only how often it is right, never what the target emits, and int8
-    makes the CPU draft ~1.7x faster); else the target's dtype."""
+def draft_dtype_for(dtype: str, draft_dtype: str | None, device: str | torch.device,
+                    spec: str | Path | None = None) -> str:
+    """The draft's dtype: as asked; else, when the target's dtype is 'auto' on a CPU: 'auto' for a
+    GGUF draft (its low-bit weights as stored) and FBGEMM int8 for a float one (a draft's numerics
+    change only how often it is right, never what the target emits, and int8 makes a CPU draft
+    ~1.7x faster than fp16); else the target's dtype."""
     if draft_dtype is not None:
         return draft_dtype
-    if dtype == "auto" and torch.device(device).type == "cpu" and fbgemm_fp16_available():
-        return "int8"
+    if dtype == "auto" and torch.device(device).type == "cpu":
+        if spec is not None and _gguf_source(spec) is not None:
+            return "auto"
+        if fbgemm_fp16_available():
+            return "int8"
     return dtype
+
+
+def _gguf_source(spec) -> Path | None:
+    from ssd.models.registry import gguf_source
+
+    try:
+        return gguf_source(str(spec), progress=False)
+    except Exception:  # a known model whose parts are missing: resolve_model reports that
+        return None
+
+
+def _is_linear_weight(name: str) -> bool:
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
+def _low_bit_getter(spec, dtype: str, device: torch.device, folder_get):
+    """A weight getter for the low-bit kernel, or None when the model/dtype does not take it."""
+    if device.type != "cpu" or dtype not in ("auto",) + LOW_BIT:
+        return None
+    src = _gguf_source(spec) if dtype in ("auto", "gguf") else None
+    if dtype == "gguf" and src is None:
+        raise ValueError(f"dtype gguf needs a GGUF model (a .gguf file or a built-in model); {spec} is not one. "
+                         "Use dtype q8_0 to quantize a float model at load time")
+    if dtype == "auto" and src is None:
+        return None
+    from ssd.kernels.build import KernelBuildError, load_qgemm
+
+    try:
+        load_qgemm()
+    except KernelBuildError as e:
+        if dtype != "auto":
+            raise
+        log.warning("%s; running %s with fp16 weights instead (slower)", e, spec)
+        return None
+    if src is not None:
+        from ssd.models.gguf_weights import GGUFWeights
+
+        return GGUFWeights(src)
+    from ssd.kernels.gguf_pack import quantize_q8_0
+
+    def get(name):
+        w = folder_get(name)
+        return quantize_q8_0(w) if _is_linear_weight(name) and w.dim() == 2 and w.shape[1] % 32 == 0 else w
+    return get
 
 
 class SafetensorsWeights:
@@ -96,13 +155,21 @@ def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device
     td, packed = resolve_dtype(dtype, device)
     t0 = time.perf_counter()
     get = SafetensorsWeights(path)
+    low_bit = _low_bit_getter(spec, dtype, device, get)
+    if low_bit is not None:
+        get, td, packed = low_bit, torch.float32, "gguf"
     max_pos = max_positions or cfg.max_position_embeddings
     with torch.device(device) if device.type != "cpu" else _nullctx():
-        model = DecoderModel(cfg, lambda n: get(n).to(device), td, packed, max_pos)
+        model = DecoderModel(cfg, lambda n: _to(get(n), device), td, packed, max_pos)
     model.eval()
     tok = load_tokenizer(path)
     name = {"fp16": "float16 (FBGEMM, fp32 activations)", "int8": "int8 (FBGEMM, per-row weights, dynamic "
             "activations)"}.get(packed, str(td).replace("torch.", ""))
+    if packed == "gguf":
+        fmts = sorted({f for m in model.modules() if m.__class__.__name__ == "QuantLinear"
+                       for f in m.backend.split(":", 1)[1].split(",")})
+        src = "as stored in the GGUF" if hasattr(get, "reader") else "quantized to Q8_0 at load (lossy)"
+        name = f"low-bit {'/'.join(fmts)} {src} (int8 activations per 32 values)"
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", path.name, cfg.architecture, cfg.num_layers,
              name, device, time.perf_counter() - t0)
     return LoadedModel(model, cfg, tok, path, name)
@@ -114,3 +181,7 @@ class _nullctx:
 
     def __exit__(self, *a):
         return False
+
+
+def _to(w, device: torch.device):
+    return w.to(device) if isinstance(w, torch.Tensor) else w

@@ -307,6 +307,17 @@ def _convert_local_gguf(path: Path, progress: bool) -> Path:
     return folder
 
 
+def gguf_source(spec: str, progress: bool = True) -> Path | None:
+    """The GGUF file a model spec comes from (a known model's assembled file, or a local .gguf),
+    or None for HF folders and hub ids."""
+    if spec in KNOWN_MODELS:
+        return assemble_gguf(spec, progress=progress)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    return None
+
+
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
 
 

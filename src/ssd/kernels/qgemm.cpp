@@ -1,0 +1,319 @@
+// Low-bit GEMM for GGUF weights on CPU: y[M,N] = x[M,K] @ W^T (+ bias).
+//
+// Weights stay in their stored quantization: every 32 (or 16) weights of a column share
+// w = (dS * sc) * q + (dO * mn), with q an unsigned code, dS/dO fp16 per super-block and sc/mn
+// small integers per sub-block (GGUF's Q4_K, Q6_K, Q5_0, Q8_0 all fit; see ssd/kernels/gguf_pack.py).
+// Columns are interleaved in tiles of 16 so that one int8 dot-product instruction serves 16
+// columns; a decoded tile is applied to every row of x, so the cost grows slowly with M.
+//
+// Activations are quantized per row and per 32 values to int8 (scale = amax/127, round to nearest
+// even), the approximation llama.cpp makes (it uses 256-value blocks for K-quants). Every row is
+// computed by the same sequence of operations whatever M, the other rows or the thread count, and
+// the three code paths (AVX-512 VNNI, AVX2, portable) perform the same float operations in the
+// same order: their results are bitwise identical. Build with -ffp-contract=off.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int TILE = 16;   // columns per interleaved tile
+constexpr int BLK = 32;    // activation quantization block (and code block) along K
+
+struct Params {
+  const uint8_t* codes;    // [NT, K/32, 512] (8-bit) or [NT, K/32, 256] (4-bit)
+  const uint16_t* dS;      // [NT, K/SB, 16] fp16 bits
+  const uint16_t* dO;      // [NT, K/SB, 16]
+  const int8_t* sc;        // [NT, K/SUB, 16] or null (then 1)
+  const int8_t* mn;        // [NT, K/SUB, 16] or null (then 1)
+  const float* bias;       // [N] or null
+  int64_t N, K, SB, SUB, bits;
+};
+
+struct Acts {                // activations of M rows, quantized
+  const int8_t* xq;        // [M, K]
+  const float* dx;         // [M, K/32]
+  const float* xsd;        // [M, K/SUB]  dx * sum of the sub-block's codes
+};
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {                       // subnormal: normalize
+      int e = -1;
+      do { man <<= 1; ++e; } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Per row and 32-block: dx = amax/127, q = nearbyint(x * (127/amax)), and per sub-block
+// xsd = dx * sum(q). Shared by every code path, so all of them see the same integers.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t SUB, int8_t* xq, float* dx, float* xsd) {
+  const int64_t nb = K / BLK, per = BLK / SUB;
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = xr + b * BLK;
+      float amax = 0.f;
+      for (int i = 0; i < BLK; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+      float d = amax / 127.f;
+      float id = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* q = xq + r * K + b * BLK;
+      for (int i = 0; i < BLK; ++i) {
+        float t = std::nearbyint(v[i] * id);
+        t = std::fmin(127.f, std::fmax(-127.f, t));
+        q[i] = (int8_t)t;
+      }
+      dx[r * nb + b] = d;
+      for (int s = 0; s < per; ++s) {
+        int sum = 0;
+        for (int i = 0; i < SUB; ++i) sum += q[s * SUB + i];
+        xsd[r * (K / SUB) + b * per + s] = d * (float)sum;
+      }
+    }
+  }
+}
+
+// Code of column c at position k (0..31) of a block, from the interleaved layout:
+// code vector g = k/4 holds 16 columns x 4 consecutive codes; 4-bit codes keep vectors g and g+4
+// in the low and high nibbles of one 64-byte vector.
+inline int code_at(const uint8_t* blk, int bits, int c, int k) {
+  int g = k >> 2, p = c * 4 + (k & 3);
+  if (bits == 8) return blk[g * 64 + p];
+  uint8_t byte = blk[(g & 3) * 64 + p];
+  return g < 4 ? (byte & 0xf) : (byte >> 4);
+}
+
+// ---------------------------------------------------------------- portable path (also AVX2)
+#define SSD_GENERIC_TILE_BODY                                                                    \
+  {                                                                                              \
+    const int64_t nb = p.K / BLK, nsb = p.K / p.SB, nsub = p.K / p.SUB;                          \
+    const int per = (int)(BLK / p.SUB), sublen = (int)p.SUB;                                     \
+    const int64_t cbytes = p.bits == 8 ? 512 : 256;                                              \
+    float acc[TILE];                                                                             \
+    for (int64_t r = 0; r < M; ++r) {                                                            \
+      for (int c = 0; c < TILE; ++c) acc[c] = 0.f;                                               \
+      const int8_t* xr = a.xq + r * p.K;                                                         \
+      for (int64_t b = 0; b < nb; ++b) {                                                         \
+        const uint8_t* blk = p.codes + (t * nb + b) * cbytes;                                    \
+        const int64_t sbi = (b * BLK) / p.SB;                                                    \
+        float dS[TILE], dO[TILE];                                                                \
+        for (int c = 0; c < TILE; ++c) {                                                         \
+          dS[c] = half_to_float(p.dS[(t * nsb + sbi) * TILE + c]);                               \
+          dO[c] = half_to_float(p.dO[(t * nsb + sbi) * TILE + c]);                               \
+        }                                                                                        \
+        const float dxb = a.dx[r * nb + b];                                                      \
+        for (int s = 0; s < per; ++s) {                                                          \
+          const int64_t si = b * per + s;                                                        \
+          int32_t idot[TILE];                                                                    \
+          for (int c = 0; c < TILE; ++c) idot[c] = 0;                                            \
+          for (int k = s * sublen; k < (s + 1) * sublen; ++k) {                                  \
+            const int xv = xr[b * BLK + k];                                                      \
+            for (int c = 0; c < TILE; ++c) idot[c] += code_at(blk, (int)p.bits, c, k) * xv;      \
+          }                                                                                      \
+          const float xs = a.xsd[r * nsub + si];                                                 \
+          for (int c = 0; c < TILE; ++c) {                                                       \
+            float S = p.sc ? dS[c] * (float)p.sc[(t * nsub + si) * TILE + c] : dS[c];            \
+            float O = p.mn ? dO[c] * (float)p.mn[(t * nsub + si) * TILE + c] : dO[c];            \
+            acc[c] = std::fma((float)idot[c], S * dxb, acc[c]);                                  \
+            acc[c] = std::fma(O, xs, acc[c]);                                                    \
+          }                                                                                      \
+        }                                                                                        \
+      }                                                                                          \
+      for (int c = 0; c < TILE; ++c) {                                                           \
+        const int64_t col = t * TILE + c;                                                        \
+        if (col < p.N) y[r * p.N + col] = p.bias ? acc[c] + p.bias[col] : acc[c];                \
+      }                                                                                          \
+    }                                                                                            \
+  }
+
+void tile_portable(const Params& p, const Acts& a, int64_t t, int64_t M, float* y) SSD_GENERIC_TILE_BODY
+
+__attribute__((target("avx2,fma,f16c")))
+void tile_avx2(const Params& p, const Acts& a, int64_t t, int64_t M, float* y) SSD_GENERIC_TILE_BODY
+
+// ---------------------------------------------------------------- AVX-512 VNNI path
+#define SSD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+
+constexpr int RB = 8;   // rows whose accumulators live in registers at once
+
+SSD_AVX512 inline __m512 load_scales(const uint16_t* d) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d));
+}
+
+SSD_AVX512 inline __m512 load_int8_as_float(const int8_t* v) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)v)));
+}
+
+// R rows at once: their accumulators and partial dot products stay in registers, and the R
+// independent dot-product chains hide the instruction latency.
+template <int SUB, int BITS, int R>
+SSD_AVX512 void rows_avx512(const Params& p, const Acts& a, int64_t t, int64_t r0, float* y) {
+  constexpr int PER = BLK / SUB, GPS = SUB / 4;       // sub-blocks per block, code vectors per sub-block
+  constexpr int64_t CB = BITS == 8 ? 512 : 256;
+  const int64_t nb = p.K / BLK, nsb = p.K / p.SB, nsub = p.K / SUB;
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 dS = _mm512_setzero_ps(), dO = _mm512_setzero_ps();
+  int64_t cur_sb = -1;
+  const int8_t* xrow[R];
+  for (int i = 0; i < R; ++i) xrow[i] = a.xq + (r0 + i) * p.K;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = p.codes + (t * nb + b) * CB;
+    __m512i cv[8];
+    if (BITS == 8) {
+      for (int g = 0; g < 8; ++g) cv[g] = _mm512_loadu_si512((const void*)(blk + g * 64));
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        __m512i v = _mm512_loadu_si512((const void*)(blk + g * 64));
+        cv[g] = _mm512_and_si512(v, lo4);
+        cv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      }
+    }
+    const int64_t sbi = (b * BLK) / p.SB;
+    if (sbi != cur_sb) {
+      dS = load_scales(p.dS + (t * nsb + sbi) * TILE);
+      dO = load_scales(p.dO + (t * nsb + sbi) * TILE);
+      cur_sb = sbi;
+    }
+    for (int s = 0; s < PER; ++s) {
+      const int64_t si = b * PER + s;
+      const __m512 S = p.sc ? _mm512_mul_ps(dS, load_int8_as_float(p.sc + (t * nsub + si) * TILE)) : dS;
+      const __m512 O = p.mn ? _mm512_mul_ps(dO, load_int8_as_float(p.mn + (t * nsub + si) * TILE)) : dO;
+      __m512i idot[R];
+      for (int i = 0; i < R; ++i) idot[i] = _mm512_setzero_si512();
+      for (int g = 0; g < GPS; ++g)
+        for (int i = 0; i < R; ++i) {
+          int32_t xv;
+          std::memcpy(&xv, xrow[i] + b * BLK + s * SUB + g * 4, 4);
+          idot[i] = _mm512_dpbusd_epi32(idot[i], cv[s * GPS + g], _mm512_set1_epi32(xv));
+        }
+      for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        const __m512 f = _mm512_mul_ps(S, _mm512_set1_ps(a.dx[r * nb + b]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[i]), f, acc[i]);
+        acc[i] = _mm512_fmadd_ps(O, _mm512_set1_ps(a.xsd[r * nsub + si]), acc[i]);
+      }
+    }
+  }
+  const int64_t col0 = t * TILE;
+  const int ncol = (int)std::min<int64_t>(TILE, p.N - col0);
+  const __mmask16 m = (__mmask16)((1u << ncol) - 1);
+  __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + col0) : _mm512_setzero_ps();
+  for (int i = 0; i < R; ++i) {
+    __m512 out = p.bias ? _mm512_add_ps(acc[i], bv) : acc[i];
+    _mm512_mask_storeu_ps(y + (r0 + i) * p.N + col0, m, out);
+  }
+}
+
+template <int SUB, int BITS>
+SSD_AVX512 void tile_avx512(const Params& p, const Acts& a, int64_t t, int64_t M, float* y) {
+  int64_t r0 = 0;
+  for (; r0 + RB <= M; r0 += RB) rows_avx512<SUB, BITS, RB>(p, a, t, r0, y);
+  switch (M - r0) {
+    case 1: rows_avx512<SUB, BITS, 1>(p, a, t, r0, y); break;
+    case 2: rows_avx512<SUB, BITS, 2>(p, a, t, r0, y); break;
+    case 3: rows_avx512<SUB, BITS, 3>(p, a, t, r0, y); break;
+    case 4: rows_avx512<SUB, BITS, 4>(p, a, t, r0, y); break;
+    case 5: rows_avx512<SUB, BITS, 5>(p, a, t, r0, y); break;
+    case 6: rows_avx512<SUB, BITS, 6>(p, a, t, r0, y); break;
+    case 7: rows_avx512<SUB, BITS, 7>(p, a, t, r0, y); break;
+    default: break;
+  }
+}
+
+enum Isa { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+int best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+    return ISA_AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+  return ISA_PORTABLE;
+}
+
+using TileFn = void (*)(const Params&, const Acts&, int64_t, int64_t, float*);
+
+TileFn pick(int isa, int64_t SUB, int64_t bits) {
+  if (isa == ISA_AVX512) {
+    if (SUB == 32 && bits == 4) return tile_avx512<32, 4>;
+    if (SUB == 32 && bits == 8) return tile_avx512<32, 8>;
+    if (SUB == 16 && bits == 4) return tile_avx512<16, 4>;
+    if (SUB == 16 && bits == 8) return tile_avx512<16, 8>;
+  }
+  return isa == ISA_AVX2 ? tile_avx2 : tile_portable;
+}
+
+}  // namespace
+
+int64_t qgemm_best_isa() { return best_isa(); }
+
+// x: [M, K] float32 contiguous. Returns [M, N] float32.
+torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor dS, torch::Tensor dO,
+                    c10::optional<torch::Tensor> sc, c10::optional<torch::Tensor> mn,
+                    c10::optional<torch::Tensor> bias, int64_t N, int64_t SB, int64_t SUB, int64_t bits,
+                    int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qgemm: x must be 2-D float32");
+  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
+  TORCH_CHECK(SUB == 16 || SUB == 32, "qgemm: SUB must be 16 or 32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % BLK == 0 && K % SB == 0 && SB % SUB == 0, "qgemm: K=", K, " is not a multiple of the block");
+  const int64_t NT = (N + TILE - 1) / TILE;
+  TORCH_CHECK(codes.numel() == NT * (K / BLK) * (bits == 8 ? 512 : 256), "qgemm: codes size mismatch");
+  TORCH_CHECK(dS.numel() == NT * (K / SB) * TILE && dO.numel() == dS.numel(), "qgemm: scale size mismatch");
+  Params p{codes.data_ptr<uint8_t>(),
+           (const uint16_t*)dS.data_ptr(),
+           (const uint16_t*)dO.data_ptr(),
+           sc.has_value() ? sc->data_ptr<int8_t>() : nullptr,
+           mn.has_value() ? mn->data_ptr<int8_t>() : nullptr,
+           bias.has_value() ? bias->data_ptr<float>() : nullptr,
+           N, K, SB, SUB, bits};
+  if (sc.has_value()) TORCH_CHECK(sc->numel() == NT * (K / SUB) * TILE, "qgemm: sc size mismatch");
+  if (mn.has_value()) TORCH_CHECK(mn->numel() == NT * (K / SUB) * TILE, "qgemm: mn size mismatch");
+  if (bias.has_value()) TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32, "qgemm: bias");
+
+  auto xq = torch::empty({M, K}, torch::kInt8);
+  auto dx = torch::empty({M, K / BLK}, torch::kFloat32);
+  auto xsd = torch::empty({M, K / SUB}, torch::kFloat32);
+  auto y = torch::empty({M, N}, torch::kFloat32);
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* dxp = dx.data_ptr<float>();
+  float* xsdp = xsd.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp + r0 * K, r1 - r0, K, SUB, xqp + r0 * K, dxp + r0 * (K / BLK), xsdp + r0 * (K / SUB));
+  });
+  Acts a{xqp, dxp, xsdp};
+  if (isa < 0 || isa > best_isa()) isa = best_isa();
+  TileFn fn = pick((int)isa, SUB, bits);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(p, a, t, M, yp);
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qgemm", &qgemm, "low-bit GGUF GEMM");
+  m.def("best_isa", &qgemm_best_isa, "0 portable, 1 avx2, 2 avx512-vnni");
+}
