@@ -129,7 +129,7 @@ class LLM:
     def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None) -> ModelRunner:
         bs = self.config.block_size
         if num_blocks is None:
-            per_token = ModelRunner.kv_bytes_per_token(loaded.model)
+            per_token = ModelRunner.kv_bytes_per_token(loaded.model, device)
             num_blocks = max(int(self.config.kv_cache_gb * 2**30 // (per_token * bs)), 2)
         return ModelRunner(loaded.model, num_blocks, bs, torch.device(device))
 

@@ -67,6 +67,9 @@ def add_bench_parser(sub, engine_args: Callable[..., None]) -> argparse.Argument
     g.add_argument("--kernels", action="store_true",
                    help="instead of generating: time the low-bit GEMM over the model's linear layers for "
                         "--kernel-rows rows at each of --kernel-threads (vs the memory-bandwidth bound)")
+    g.add_argument("--faithfulness", action="store_true",
+                   help="instead of generating: compare the default CPU path's next-token distributions (and "
+                        "llama.cpp's with --peers llama.cpp) with the fp32 model on real prompts")
     g.add_argument("--kernel-rows", type=_int_list, default=[1, 2, 5, 8, 16])
     g.add_argument("--kernel-threads", type=_int_list, default=[1, 2])
     p.set_defaults(func=cmd_bench)
@@ -106,9 +109,23 @@ def config_from_args(args):
                          draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None))
 
 
+def cmd_faithfulness(args) -> int:
+    from ssd.bench.faithfulness import faithfulness_markdown, run_faithfulness, write_faithfulness_report
+
+    peers = [p for p in (args.peers or "").split(",") if p]
+    res = run_faithfulness(args.model, num_prompts=args.num_prompts or 2, peers=peers, threads=args.threads)
+    print(faithfulness_markdown(res))
+    for path in write_faithfulness_report(res, Path(args.out_dir),
+                                          args.stem or "faithfulness-" + Path(str(args.model)).name):
+        print(f"report: {path}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     if args.kernels:
         return cmd_kernel_bench(args)
+    if args.faithfulness:
+        return cmd_faithfulness(args)
     from ssd.bench.report import markdown_table
     from ssd.bench.runner import run_bench, summary_markdown, write_bench_report
 

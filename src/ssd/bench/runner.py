@@ -43,7 +43,7 @@ from ssd.bench.datasets import DATASETS, BenchPrompt, load_prompts, render_promp
 
 log = logging.getLogger(__name__)
 
-PEERS = ("hf", "hf-assisted")
+PEERS = ("hf", "hf-assisted", "llama.cpp")
 DEFAULT_OUT_DIR = "benchmarks/results"
 
 
@@ -559,6 +559,9 @@ def _run_peers(cfg: BenchConfig, prompts, rendered, ar_ids, config) -> list[dict
     model_kwargs = {"device_map": cfg.device} if torch.device(cfg.device).type == "cuda" else None
     runs, hf_ids = [], {}
     for peer in cfg.peers:
+        if peer == "llama.cpp":
+            runs += _run_llamacpp(cfg, rendered, ar_ids)
+            continue
         for dataset, ids in rendered.items():
             res = hf_generate(target, ids, cfg.max_tokens, dtype=cfg.peer_dtype, threads=cfg.threads,
                               assistant_dir=draft if peer == "hf-assisted" else None,
@@ -574,6 +577,24 @@ def _run_peers(cfg: BenchConfig, prompts, rendered, ar_ids, config) -> list[dict
             else:
                 run["matches_hf"] = _matches(res.generated, hf_ids.get(dataset))
             runs.append(run)
+    return runs
+
+
+def _run_llamacpp(cfg: BenchConfig, rendered, ar_ids) -> list[dict]:
+    from ssd.bench.llamacpp_peer import llamacpp_generate
+    from ssd.models.registry import gguf_source
+
+    src = gguf_source(cfg.model, progress=cfg.progress)
+    if src is None:
+        raise ValueError(f"the llama.cpp peer needs a GGUF model; {cfg.model} is not one")
+    runs = []
+    for dataset, ids in rendered.items():
+        res = llamacpp_generate(src, ids, cfg.max_tokens, cfg.threads, warmup=cfg.warmup, progress=cfg.progress,
+                                n_ctx=cfg.max_model_len)
+        run = res.to_run(dataset)
+        run.update(label="llama.cpp", dtype=res.dtype, load_s=res.load_s, matches_ar=None,
+                   agrees_with_ar=_matches(res.generated, ar_ids.get(dataset)))   # other numerics: informative
+        runs.append(run)
     return runs
 
 

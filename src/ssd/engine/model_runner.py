@@ -30,13 +30,29 @@ class ModelRunner:
         cfg = model.cfg
         self.block_manager = BlockManager(num_blocks, block_size)
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=device),
-                           torch.zeros(shape, dtype=model.dtype, device=device)) for _ in range(cfg.num_layers)]
+        kv_dtype = self.kv_dtype(model, device)
+        self.attention_kernel = kv_dtype == torch.float16 and device.type == "cpu"
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
+                           torch.zeros(shape, dtype=kv_dtype, device=device)) for _ in range(cfg.num_layers)]
 
     @staticmethod
-    def kv_bytes_per_token(model: DecoderModel) -> int:
+    def kv_dtype(model: DecoderModel, device: torch.device | str) -> torch.dtype:
+        """fp16 on CPU for the packed (fp16/int8/low-bit) weight paths, read by the C++ attention
+        kernel; the model's dtype otherwise (float32 stays the exact reference path)."""
+        if torch.device(device).type == "cpu" and model.packed is not None:
+            from ssd.kernels.build import KernelBuildError, load_qgemm
+
+            try:
+                load_qgemm()
+                return torch.float16
+            except KernelBuildError:
+                pass
+        return model.dtype
+
+    @staticmethod
+    def kv_bytes_per_token(model: DecoderModel, device: torch.device | str = "cpu") -> int:
         cfg = model.cfg
-        itemsize = torch.empty(0, dtype=model.dtype).element_size()
+        itemsize = torch.empty(0, dtype=ModelRunner.kv_dtype(model, device)).element_size()
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     @torch.inference_mode()
@@ -58,7 +74,8 @@ class ModelRunner:
         ctx_slots = [it.slots if it.slots is not None else
                      block_slots(bm.block_table(it.seq_id), bm.block_size, it.start + len(it.tokens))
                      for it in items]
-        meta = AttentionMetadata.build([len(it.tokens) for it in items], ctx_slots, self.device)
+        meta = AttentionMetadata.build([len(it.tokens) for it in items], ctx_slots, self.device,
+                                       kernel=self.attention_kernel)
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(t, pos, meta, self.kv_caches)

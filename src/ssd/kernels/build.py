@@ -1,6 +1,6 @@
 """Build (once, cached) and load the C++ kernels with PyTorch's JIT extension loader.
 
-The first call compiles `qgemm.cpp` (about a minute on 2 cores); later processes load the cached
+The first call compiles `qgemm.cpp` and `attention.cpp` (under a minute on 2 cores); later processes load the cached
 shared object. The cache lives under the model cache (`$SSD_CACHE_DIR` or ~/.cache/ssd), in a
 folder named after the source's hash and the torch version, so an edit or a torch upgrade
 rebuilds. `make` builds it up front (scripts/build_kernels.py).
@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("qgemm.cpp")
+_SOURCES = [Path(__file__).with_name("qgemm.cpp"), Path(__file__).with_name("attention.cpp")]
 _LOCK = threading.Lock()
 _MODULE = None
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
@@ -30,12 +30,12 @@ def _build_dir() -> Path:
 
     from ssd.models.registry import cache_dir
 
-    key = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"qgemm-{key}"
 
 
 def load_qgemm():
-    """The compiled module (functions `qgemm`, `best_isa`). Raises KernelBuildError on failure."""
+    """The compiled module (`qgemm`, `best_isa`, `paged_attention_rows`). Raises KernelBuildError."""
     global _MODULE
     if _MODULE is not None:
         return _MODULE
@@ -52,7 +52,7 @@ def load_qgemm():
             log.info("compiling the low-bit CPU kernels into %s (once; about a minute)", build)
         try:
             _MODULE = cpp_extension.load(
-                name="ssd_qgemm", sources=[str(_SRC)], build_directory=str(build),
+                name="ssd_qgemm", sources=[str(p) for p in _SOURCES], build_directory=str(build),
                 extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17"],
                 verbose=os.environ.get("SSD_KERNEL_VERBOSE") == "1")
         except Exception as e:  # compiler missing, headers missing, ...

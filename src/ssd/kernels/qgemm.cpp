@@ -313,7 +313,13 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor dS, torc
   return y;
 }
 
+// attention.cpp
+void paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                          torch::Tensor rows, torch::Tensor seq, torch::Tensor nkeys, torch::Tensor out,
+                          double scale, int64_t isa);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "low-bit GGUF GEMM");
+  m.def("paged_attention_rows", &paged_attention_rows, "batch-invariant attention over a paged fp16 KV cache");
   m.def("best_isa", &qgemm_best_isa, "0 portable, 1 avx2, 2 avx512-vnni");
 }

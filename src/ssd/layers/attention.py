@@ -5,6 +5,11 @@ The batch is packed: T new tokens from B sequences, sequence b owning rows
 cache, then every sequence attends over all of its cached positions (prefix + new tokens) with a
 causal mask. Gathers and masks are built once per forward (`AttentionMetadata`) and shared by all
 layers.
+
+With an fp16 KV cache on CPU (`kernel=True`), sequences with at most KERNEL_MAX_QUERY new tokens
+(decode, verify, pre-drafted chains) go through the C++ kernel, which reads the cache in place and
+gives each row a result independent of its batch mates; longer prompt chunks use PyTorch's SDPA
+over a gathered fp32 copy (the same in every mode, since every mode prefills the same way).
 """
 from __future__ import annotations
 
@@ -22,6 +27,21 @@ def block_slots(block_table: list[int], block_size: int, num_tokens: int) -> tor
         :num_tokens]
 
 
+KERNEL_MAX_QUERY = 16
+
+
+@dataclass
+class KernelRows:
+    """Rows handled by the C++ kernel: packed row, sequence (row of gather_slots), keys to attend."""
+
+    rows: torch.Tensor
+    seq: torch.Tensor
+    nkeys: torch.Tensor
+    slots: torch.Tensor          # [B, L] slot table (= gather_slots of the whole batch)
+    sdpa: "AttentionMetadata | None"   # the other sequences, over their own packed rows
+    sdpa_rows: torch.Tensor | None
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor   # [T] cache slot for each new token
@@ -29,12 +49,16 @@ class AttentionMetadata:
     pad_index: torch.Tensor      # [B, Q] packed row of each padded query (padded with row 0)
     unpad_index: torch.Tensor    # [T] flat index into [B*Q] of each packed row
     mask: torch.Tensor | None    # [B, 1, Q, L] True = attend; None when no masking is needed
+    kernel: KernelRows | None = None
 
     @classmethod
-    def build(cls, query_lens: list[int], context_slots: list[torch.Tensor], device: torch.device
-              ) -> "AttentionMetadata":
+    def build(cls, query_lens: list[int], context_slots: list[torch.Tensor], device: torch.device,
+              kernel: bool = False) -> "AttentionMetadata":
         """context_slots[b]: cache slot of every context position of sequence b after this step
-        (its cached prefix followed by its query_lens[b] new tokens)."""
+        (its cached prefix followed by its query_lens[b] new tokens). kernel: route short queries
+        to the batch-invariant C++ kernel (fp16 cache on CPU)."""
+        if kernel:
+            return cls._build_kernel(query_lens, context_slots, device)
         context_lens = [len(c) for c in context_slots]
         B, Q, L = len(query_lens), max(query_lens), max(context_lens)
         gather = torch.zeros(B, L, dtype=torch.long)
@@ -67,16 +91,62 @@ class AttentionMetadata:
         )
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    @classmethod
+    def _build_kernel(cls, query_lens: list[int], context_slots: list[torch.Tensor], device: torch.device
+                      ) -> "AttentionMetadata":
+        B, L = len(query_lens), max(len(c) for c in context_slots)
+        gather = torch.zeros(B, L, dtype=torch.long)
+        slot_parts, krow, kseq, knk, big, big_rows = [], [], [], [], [], []
+        row = 0
+        for b, (q, slots) in enumerate(zip(query_lens, context_slots)):
+            ctx = len(slots)
+            gather[b, :ctx] = slots
+            slot_parts.append(slots[ctx - q:])
+            if q <= KERNEL_MAX_QUERY:
+                krow.extend(range(row, row + q))
+                kseq.extend([b] * q)
+                knk.extend(range(ctx - q + 1, ctx + 1))
+            else:
+                big.append(b)
+                big_rows.extend(range(row, row + q))
+            row += q
+        sdpa = None
+        if big:
+            sdpa = cls.build([query_lens[b] for b in big], [context_slots[b] for b in big], device)
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        kr = KernelRows(t(krow), t(kseq), t(knk), gather.to(device), sdpa, t(big_rows) if big else None)
+        return cls(slot_mapping=torch.cat(slot_parts).to(device), gather_slots=gather.to(device),
+                   pad_index=torch.zeros(0, 0, dtype=torch.long), unpad_index=torch.zeros(0, dtype=torch.long),
+                   mask=None, kernel=kr)
+
+
+def _sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+          scale: float) -> torch.Tensor:
     B, Q = meta.pad_index.shape
     T, H, D = q.shape
     qp = q[meta.pad_index].transpose(1, 2)                       # [B, H, Q, D]
-    kp = k_cache[meta.gather_slots].transpose(1, 2)              # [B, Hkv, L, D]
-    vp = v_cache[meta.gather_slots].transpose(1, 2)
+    kp = k_cache[meta.gather_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    vp = v_cache[meta.gather_slots].to(q.dtype).transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale,
                                          enable_gqa=kp.shape[1] != H)
     return out.transpose(1, 2).reshape(B * Q, H, D)[meta.unpad_index]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    kr = meta.kernel
+    if kr is None:
+        return _sdpa(q, k_cache, v_cache, meta, scale)
+    from ssd.kernels.build import forced_isa, load_qgemm
+
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if kr.rows.numel():
+        load_qgemm().paged_attention_rows(q, k_cache, v_cache, kr.slots, kr.rows, kr.seq, kr.nkeys, out, scale,
+                                          forced_isa())
+    if kr.sdpa is not None:
+        out[kr.sdpa_rows] = _sdpa(q[kr.sdpa_rows], k_cache, v_cache, kr.sdpa, scale)
+    return out

@@ -75,6 +75,7 @@ class DecoderModel(nn.Module):
                  max_positions: int):
         super().__init__()
         self.cfg = cfg
+        self.packed = packed
         self.dtype = torch.float32 if packed else dtype      # FBGEMM and GGUF kernels take fp32 activations
         # packed == "gguf": low-bit weights run in QuantLinear; float ones (F16/F32 tensors in a GGUF,
         # or types the kernel lacks) in FBGEMM fp16.

@@ -1,0 +1,199 @@
+// Attention of a few query rows per sequence (decode, verify, pre-drafted chains) over a paged
+// fp16 KV cache, read in place through each sequence's slot table (no padded copy).
+//
+// Every (query row, KV head) is one task whose arithmetic depends only on that row, its context
+// length and the cache contents: keys are visited in position order, scores and the softmax in
+// fp32 with a fixed exp, so a row's output is bitwise the same whatever its batch mates, its row
+// index, the number of rows of its sequence, or the thread count. Two code paths: AVX-512 and
+// portable C++ (each batch-invariant; they may differ from each other in the last bits).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float h2f(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {
+      int e = -1;
+      do { man <<= 1; ++e; } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct Job {
+  const float* q;          // [T, H, D]
+  const uint16_t* kc;      // [S, Hkv, D] fp16 bits
+  const uint16_t* vc;
+  const int64_t* slots;    // [B, L]
+  const int64_t* rows;     // [R] packed row index of each query row handled here
+  const int64_t* seq;      // [R] sequence (row of slots) of each
+  const int64_t* nkeys;    // [R] keys each row attends to (its position + 1)
+  float* out;              // [T, H, D]
+  int64_t H, Hkv, D, L;
+  float scale;
+};
+
+// exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction + degree-6 polynomial.
+inline float exp_neg_scalar(float x) {
+  x = std::fmax(x, -87.f);
+  float n = std::nearbyint(x * 1.44269504f);
+  float r = std::fma(n, -0.693145751953125f, x);
+  r = std::fma(n, -1.428606765330187e-06f, r);
+  float p = 1.3888889e-3f;
+  p = std::fma(p, r, 8.3333333e-3f);
+  p = std::fma(p, r, 4.1666667e-2f);
+  p = std::fma(p, r, 1.6666667e-1f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  int32_t e = ((int32_t)n + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, 4);
+  return p * s;
+}
+
+void task_portable(const Job& j, int64_t i, int64_t kvh, std::vector<float>& sc) {
+  const int64_t G = j.H / j.Hkv, D = j.D, n = j.nkeys[i], t = j.rows[i];
+  const int64_t* sl = j.slots + j.seq[i] * j.L;
+  sc.resize(G * n);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = j.q + (t * j.H + kvh * G + g) * D;
+    float mx = -INFINITY;
+    for (int64_t k = 0; k < n; ++k) {
+      const uint16_t* kp = j.kc + (sl[k] * j.Hkv + kvh) * D;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s = std::fma(q[d], h2f(kp[d]), s);
+      s *= j.scale;
+      sc[g * n + k] = s;
+      mx = std::fmax(mx, s);
+    }
+    float sum = 0.f;
+    for (int64_t k = 0; k < n; ++k) {
+      float e = exp_neg_scalar(sc[g * n + k] - mx);
+      sc[g * n + k] = e;
+      sum += e;
+    }
+    float* o = j.out + (t * j.H + kvh * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+    for (int64_t k = 0; k < n; ++k) {
+      const uint16_t* vp = j.vc + (sl[k] * j.Hkv + kvh) * D;
+      const float p = sc[g * n + k];
+      for (int64_t d = 0; d < D; ++d) o[d] = std::fma(p, h2f(vp[d]), o[d]);
+    }
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
+
+#define SSD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+
+SSD_AVX512 inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.3888889e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// D a multiple of 16 and at most 256.
+SSD_AVX512 void task_avx512(const Job& j, int64_t i, int64_t kvh, std::vector<float>& sc) {
+  const int64_t G = j.H / j.Hkv, D = j.D, n = j.nkeys[i], t = j.rows[i], DV = D / 16;
+  const int64_t* sl = j.slots + j.seq[i] * j.L;
+  const int64_t np = (n + 15) / 16 * 16;
+  sc.resize(G * np);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = j.q + (t * j.H + kvh * G + g) * D;
+    __m512 qv[16];
+    for (int64_t v = 0; v < DV; ++v) qv[v] = _mm512_loadu_ps(q + v * 16);
+    float* s = sc.data() + g * np;
+    for (int64_t k = 0; k < n; ++k) {
+      const uint16_t* kp = j.kc + (sl[k] * j.Hkv + kvh) * D;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t v = 0; v < DV; ++v)
+        acc = _mm512_fmadd_ps(qv[v], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kp + v * 16))), acc);
+      s[k] = _mm512_reduce_add_ps(acc) * j.scale;
+    }
+    for (int64_t k = n; k < np; ++k) s[k] = -INFINITY;
+    __m512 mxv = _mm512_set1_ps(-INFINITY);
+    for (int64_t k = 0; k < np; k += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(s + k));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
+    __m512 sumv = _mm512_setzero_ps();
+    for (int64_t k = 0; k < np; k += 16) {
+      __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + k), mx));
+      e = _mm512_mask_mov_ps(_mm512_setzero_ps(), (__mmask16)(k + 16 <= n ? 0xffff : ((1u << (n - k)) - 1)), e);
+      _mm512_storeu_ps(s + k, e);
+      sumv = _mm512_add_ps(sumv, e);
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(sumv);
+    __m512 o[16];
+    for (int64_t v = 0; v < DV; ++v) o[v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; ++k) {
+      const uint16_t* vp = j.vc + (sl[k] * j.Hkv + kvh) * D;
+      const __m512 p = _mm512_set1_ps(s[k]);
+      for (int64_t v = 0; v < DV; ++v)
+        o[v] = _mm512_fmadd_ps(p, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vp + v * 16))), o[v]);
+    }
+    float* out = j.out + (t * j.H + kvh * G + g) * D;
+    for (int64_t v = 0; v < DV; ++v) _mm512_storeu_ps(out + v * 16, _mm512_mul_ps(o[v], _mm512_set1_ps(inv)));
+  }
+}
+
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+}  // namespace
+
+// Fills out[rows[i]] for every listed query row. isa: -1 best, 0 portable, >= 1 AVX-512 if present.
+void paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                          torch::Tensor rows, torch::Tensor seq, torch::Tensor nkeys, torch::Tensor out,
+                          double scale, int64_t isa) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "attention: q");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.sizes() == q.sizes(), "attention: out");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat16 && v_cache.scalar_type() == torch::kFloat16 &&
+              k_cache.is_contiguous() && v_cache.is_contiguous(), "attention: the KV cache must be contiguous fp16");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.dim() == 2, "attention: slots");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), R = rows.numel();
+  TORCH_CHECK(H % Hkv == 0 && k_cache.size(2) == D, "attention: head shapes");
+  Job j{q.data_ptr<float>(), (const uint16_t*)k_cache.data_ptr(), (const uint16_t*)v_cache.data_ptr(),
+        slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), seq.data_ptr<int64_t>(), nkeys.data_ptr<int64_t>(),
+        out.data_ptr<float>(), H, Hkv, D, slots.size(1), (float)scale};
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(j.nkeys[i] >= 1 && j.nkeys[i] <= j.L, "attention: row ", i, " attends to ", j.nkeys[i],
+                " keys, the slot table has ", j.L);
+  const bool fast = isa != 0 && D % 16 == 0 && D <= 256 && has_avx512();
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> sc;
+    for (int64_t w = a; w < b; ++w) {
+      if (fast) task_avx512(j, w / Hkv, w % Hkv, sc);
+      else task_portable(j, w / Hkv, w % Hkv, sc);
+    }
+  });
+}
