@@ -76,3 +76,21 @@ def test_gguf_low_bit_tensors_load_as_stored(qtype, tmp_path):
     lp, lq = got[1].log_softmax(-1), got[0].log_softmax(-1)
     assert (lp.exp() * (lp - lq)).sum(-1).mean() < 2e-2
     assert (got[0].argmax(-1) == got[1].argmax(-1)).float().mean() > 0.8
+
+
+def test_sd_with_4bit_draft_equals_ar(tiny_pair):
+    target, _ = tiny_pair
+    ar = LLM(str(target), dtype="q8_0", progress=False)
+    ref = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+    sd = LLM(str(target), draft=str(target), dtype="q8_0", draft_dtype="q4_1", k=3, progress=False)
+    assert "Q4_1" in sd.draft.dtype_name
+    assert [o.token_ids for o in sd.generate(PROMPTS, GREEDY)] == ref
+    assert sd.last_stats["acceptance_rate"] < 1.0       # the 4-bit draft is an approximation
+
+
+def test_gguf_draft_defaults_to_4bit_codes():
+    from ssd.models.loader import draft_dtype_for
+
+    assert draft_dtype_for("auto", None, "cpu", "smollm2-135m") == "q4_1"
+    assert draft_dtype_for("auto", "gguf", "cpu", "smollm2-135m") == "gguf"
+    assert draft_dtype_for("float32", None, "cpu", "smollm2-135m") == "float32"

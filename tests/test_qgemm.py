@@ -43,7 +43,7 @@ def unpacked(fmt, N, K, seed=0):
 
 
 def run(ops, P, x, isa=-1, bias=None):
-    return ops.qgemm(x, P.codes, P.dS, P.dO, P.sc, P.mn, bias, P.N, P.SB, P.SUB, P.bits, isa)
+    return ops.qgemm(x, P.codes, P.dS, P.dO, P.sc, P.mn, bias, P.N, P.SB, P.SUB, P.bits, P.sym, isa)
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -160,3 +160,22 @@ def test_forced_isa_flag(monkeypatch):
     monkeypatch.setenv("SSD_QGEMM_ISA", "sse9")
     with pytest.raises(ValueError, match="SSD_QGEMM_ISA"):
         forced_isa()
+
+
+def test_quantize_q4_1_matches_gguf_quantizer():
+    w = torch.randn(8, 64) * 0.1
+    ours = gp.dequantize(gp.quantize_q4_1(w))
+    ref = gguf_dequantize(gguf_quantize(w.numpy(), T.Q4_1), T.Q4_1).reshape(8, 64)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-3 * np.abs(ref).max())
+    assert (ours == ref).mean() > 0.95      # same rule; gguf rounds d to fp16 before scaling
+
+
+def test_to_4bit_keeps_4bit_tensors_and_requantizes_wider_ones():
+    _, q4 = unpacked("Q4_K", 16, 256)
+    assert gp.to_4bit(q4) is q4
+    raw, q8 = unpacked("Q8_0", 16, 256)
+    r = gp.to_4bit(q8)
+    assert r.fmt == "Q4_1" and r.bits == 4
+    ref = gguf_dequantize(raw, T.Q8_0).reshape(16, 256)
+    err = np.abs(gp.dequantize(r) - ref).max() / np.abs(ref).max()
+    assert 0 < err < 0.1

@@ -30,12 +30,13 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    help="CPU threads for prompt prefill (default: --threads); with --mode ssd on a CPU, the "
                    "draft core is mostly idle during prefill")
     g.add_argument("--dtype", default="auto",
-                   choices=["auto", "gguf", "q8_0", "float32", "bfloat16", "float16", "int8"],
+                   choices=["auto", "gguf", "q8_0", "q4_1", "float32", "bfloat16", "float16", "int8"],
                    help="weights: auto = on CPU a GGUF model's low-bit weights as stored (gguf) and float16 via "
-                   "FBGEMM otherwise, bfloat16 on CUDA; q8_0 = quantize a float model to Q8_0 at load (lossy); "
+                   "FBGEMM otherwise, bfloat16 on CUDA; q8_0 / q4_1 = quantize to Q8_0 / 4-bit codes at load (lossy; "
+                   "q4_1 is the default for a GGUF draft); "
                    "int8 = FBGEMM int8 (CPU; changes the model's numbers)")
-    g.add_argument("--draft-dtype", default=None, choices=["auto", "gguf", "q8_0", "float32", "bfloat16", "float16",
-                                                          "int8"],
+    g.add_argument("--draft-dtype", default=None, choices=["auto", "gguf", "q8_0", "q4_1", "float32", "bfloat16",
+                                                          "float16", "int8"],
                    help="weights of the draft (default: --dtype). int8 makes a CPU draft about 2x faster and "
                    "stays exact: the target verifies every token")
     g.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output in tokens")

@@ -50,6 +50,7 @@ class QWeight:
     SB: int
     SUB: int
     bits: int                   # 4 or 8: how the kernel stores the codes
+    sym: int = 0                # c > 0 when w = S * (code - c) exactly (dO * mn == -c * dS * sc)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -58,10 +59,10 @@ class QWeight:
     def rows(self, idx) -> "QWeight":
         pick = lambda a: None if a is None else a[idx]  # noqa: E731
         return QWeight(self.fmt, self.code[idx], self.dS[idx], self.dO[idx], pick(self.sc), pick(self.mn),
-                       self.SB, self.SUB, self.bits)
+                       self.SB, self.SUB, self.bits, self.sym)
 
     def layout(self) -> tuple:
-        return (self.SB, self.SUB, self.bits, self.sc is None, self.mn is None)
+        return (self.SB, self.SUB, self.bits, self.sc is None, self.mn is None, self.sym)
 
     def nbytes_packed(self) -> int:
         n, k = self.shape
@@ -78,7 +79,8 @@ def concat_rows(parts: list[QWeight]) -> QWeight:
         raise ValueError("concat_rows: parts have different layouts")
     cat = lambda name: None if getattr(first, name) is None else np.concatenate([getattr(p, name) for p in parts])  # noqa: E731,E501
     fmt = first.fmt if all(p.fmt == first.fmt for p in parts) else "+".join(sorted({p.fmt for p in parts}))
-    return QWeight(fmt, cat("code"), cat("dS"), cat("dO"), cat("sc"), cat("mn"), first.SB, first.SUB, first.bits)
+    return QWeight(fmt, cat("code"), cat("dS"), cat("dO"), cat("sc"), cat("mn"), first.SB, first.SUB, first.bits,
+                   first.sym)
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -95,7 +97,7 @@ def unpack(raw: np.ndarray, type_id: int, shape: tuple[int, int]) -> QWeight:
     if name == "Q8_0":
         d = _f16(b[..., 0:2]).reshape(N, -1)
         q = b[..., 2:].view(np.int8).astype(np.int16) + 128
-        return QWeight(name, q.astype(np.uint8).reshape(N, K), d, (d * np.float16(-128)), None, None, 32, 32, 8)
+        return QWeight(name, q.astype(np.uint8).reshape(N, K), d, (d * np.float16(-128)), None, None, 32, 32, 8, 128)
     if name in ("Q4_0", "Q4_1", "Q5_0"):
         off = 4 if name == "Q4_1" else 2
         d = _f16(b[..., 0:2]).reshape(N, -1)
@@ -113,7 +115,8 @@ def unpack(raw: np.ndarray, type_id: int, shape: tuple[int, int]) -> QWeight:
         else:
             dO = d * np.float16(-16 if name == "Q5_0" else -8)
             bits = 8 if name == "Q5_0" else 4
-        return QWeight(name, lo.reshape(N, K), d, dO, None, None, 32, 32, bits)
+        sym = {"Q5_0": 16, "Q4_0": 8}.get(name, 0)
+        return QWeight(name, lo.reshape(N, K), d, dO, None, None, 32, 32, bits, sym)
     if name == "Q4_K":
         d = _f16(b[..., 0:2]).reshape(N, -1)
         dmin = _f16(b[..., 2:4]).reshape(N, -1)
@@ -134,7 +137,7 @@ def unpack(raw: np.ndarray, type_id: int, shape: tuple[int, int]) -> QWeight:
         hi = qh.reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
         hi = (hi & 0x03).reshape(N, -1, 8, 32)
         code = (lo | (hi << 4)).reshape(N, K)
-        return QWeight(name, code, d, d * np.float16(-32), sc, sc, 256, 16, 8)
+        return QWeight(name, code, d, d * np.float16(-32), sc, sc, 256, 16, 8, 32)
     raise ValueError(f"unsupported GGUF type {name}")
 
 
@@ -166,6 +169,7 @@ class PackedWeight:
     SUB: int
     bits: int
     fmt: str
+    sym: int = 0
 
 
 def _tiles(a: np.ndarray, Np: int) -> np.ndarray:
@@ -191,7 +195,7 @@ def pack(w: QWeight) -> PackedWeight:
     t = lambda a: None if a is None else torch.from_numpy(_tiles(a, Np).reshape(-1))  # noqa: E731
     dS = torch.from_numpy(_tiles(w.dS, Np).reshape(-1).view(np.int16))
     dO = torch.from_numpy(_tiles(w.dO, Np).reshape(-1).view(np.int16))
-    return PackedWeight(codes, dS, dO, t(w.sc), t(w.mn), N, K, w.SB, w.SUB, w.bits, w.fmt)
+    return PackedWeight(codes, dS, dO, t(w.sc), t(w.mn), N, K, w.SB, w.SUB, w.bits, w.fmt, w.sym)
 
 
 def quantize_q8_0(w: torch.Tensor) -> QWeight:
@@ -209,4 +213,26 @@ def quantize_q8_0(w: torch.Tensor) -> QWeight:
     t = blocks * inv
     q = (np.sign(t) * np.floor(np.abs(t) + 0.5)).astype(np.int16) + 128     # round half away from zero
     d = d32[..., 0].astype(np.float16)
-    return QWeight("Q8_0", q.astype(np.uint8).reshape(N, K), d, d * np.float16(-128), None, None, 32, 32, 8)
+    return QWeight("Q8_0", q.astype(np.uint8).reshape(N, K), d, d * np.float16(-128), None, None, 32, 32, 8, 128)
+
+
+def quantize_q4_1(w: np.ndarray | torch.Tensor) -> QWeight:
+    """Load-time Q4_1 (4-bit, per 32 values a fp16 scale and min; llama.cpp's rule) of a float
+    weight: lossy, meant for drafts, whose numbers never change what the target emits."""
+    a = (w.float().numpy() if isinstance(w, torch.Tensor) else np.asarray(w)).astype(np.float32)
+    N, K = a.shape
+    if K % 32:
+        raise ValueError(f"Q4_1 needs K divisible by 32 (K={K})")
+    blocks = a.reshape(N, K // 32, 32)
+    lo, hi = blocks.min(axis=-1, keepdims=True), blocks.max(axis=-1, keepdims=True)
+    d32 = (hi - lo) / np.float32(15)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d32 == 0, 0, 1 / d32).astype(np.float32)
+    q = np.minimum(15, np.floor((blocks - lo) * inv + np.float32(0.5))).astype(np.uint8)
+    return QWeight("Q4_1", q.reshape(N, K), d32[..., 0].astype(np.float16), lo[..., 0].astype(np.float16),
+                   None, None, 32, 32, 4, 0)
+
+
+def to_4bit(w: QWeight) -> QWeight:
+    """A weight with 4-bit codes: as stored if it has them, else requantized to Q4_1 from its exact values."""
+    return w if w.bits == 4 else quantize_q4_1(dequantize(w))

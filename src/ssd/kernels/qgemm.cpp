@@ -3,6 +3,7 @@
 // Weights stay in their stored quantization: every 32 (or 16) weights of a column share
 // w = (dS * sc) * q + (dO * mn), with q an unsigned code, dS/dO fp16 per super-block and sc/mn
 // small integers per sub-block (GGUF's Q4_K, Q6_K, Q5_0, Q8_0 all fit; see ssd/kernels/gguf_pack.py).
+// Symmetric formats (w = S * (code - c): Q8_0, Q5_0, Q4_0, Q6_K) subtract c * sum(x) in integers.
 // Columns are interleaved in tiles of 16 so that one int8 dot-product instruction serves 16
 // columns; a decoded tile is applied to every row of x, so the cost grows slowly with M.
 //
@@ -32,12 +33,14 @@ struct Params {
   const int8_t* mn;        // [NT, K/SUB, 16] or null (then 1)
   const float* bias;       // [N] or null
   int64_t N, K, SB, SUB, bits;
+  int64_t sym;             // > 0: w = S * (code - sym) (O = -sym * S): the offset is applied in integers
 };
 
 struct Acts {                // activations of M rows, quantized
   const int8_t* xq;        // [M, K]
   const float* dx;         // [M, K/32]
   const float* xsd;        // [M, K/SUB]  dx * sum of the sub-block's codes
+  const int32_t* xs;       // [M, K/SUB]  sum of the sub-block's codes
 };
 
 inline float half_to_float(uint16_t h) {
@@ -64,7 +67,8 @@ inline float half_to_float(uint16_t h) {
 
 // Per row and 32-block: dx = amax/127, q = nearbyint(x * (127/amax)), and per sub-block
 // xsd = dx * sum(q). Shared by every code path, so all of them see the same integers.
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t SUB, int8_t* xq, float* dx, float* xsd) {
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t SUB, int8_t* xq, float* dx, float* xsd,
+                   int32_t* xs) {
   const int64_t nb = K / BLK, per = BLK / SUB;
   for (int64_t r = 0; r < M; ++r) {
     const float* xr = x + r * K;
@@ -85,6 +89,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t SUB, int8_t* xq
         int sum = 0;
         for (int i = 0; i < SUB; ++i) sum += q[s * SUB + i];
         xsd[r * (K / SUB) + b * per + s] = d * (float)sum;
+        xs[r * (K / SUB) + b * per + s] = sum;
       }
     }
   }
@@ -122,7 +127,8 @@ inline int code_at(const uint8_t* blk, int bits, int c, int k) {
         for (int s = 0; s < per; ++s) {                                                          \
           const int64_t si = b * per + s;                                                        \
           int32_t idot[TILE];                                                                    \
-          for (int c = 0; c < TILE; ++c) idot[c] = 0;                                            \
+          const int32_t init = -(int32_t)p.sym * a.xs[r * nsub + si];                            \
+          for (int c = 0; c < TILE; ++c) idot[c] = init;                                         \
           for (int k = s * sublen; k < (s + 1) * sublen; ++k) {                                  \
             const int xv = xr[b * BLK + k];                                                      \
             for (int c = 0; c < TILE; ++c) idot[c] += code_at(blk, (int)p.bits, c, k) * xv;      \
@@ -132,7 +138,7 @@ inline int code_at(const uint8_t* blk, int bits, int c, int k) {
             float S = p.sc ? dS[c] * (float)p.sc[(t * nsub + si) * TILE + c] : dS[c];            \
             float O = p.mn ? dO[c] * (float)p.mn[(t * nsub + si) * TILE + c] : dO[c];            \
             acc[c] = std::fma((float)idot[c], S * dxb, acc[c]);                                  \
-            acc[c] = std::fma(O, xs, acc[c]);                                                    \
+            if (!p.sym) acc[c] = std::fma(O, xs, acc[c]);                                        \
           }                                                                                      \
         }                                                                                        \
       }                                                                                          \
@@ -163,6 +169,12 @@ SSD_AVX512 inline __m512 load_int8_as_float(const int8_t* v) {
 
 // R rows at once: their accumulators and partial dot products stay in registers, and the R
 // independent dot-product chains hide the instruction latency.
+// acc += dot4(w bytes (unsigned), the 4 signed bytes at x broadcast to all lanes): the broadcast is
+// folded into the instruction's memory operand (compilers do not fold it from the intrinsic).
+SSD_AVX512 inline void dpbusd_bcast(__m512i& acc, __m512i w, const int8_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)x));
+}
+
 template <int SUB, int BITS, int R>
 SSD_AVX512 void rows_avx512(const Params& p, const Acts& a, int64_t t, int64_t r0, float* y) {
   constexpr int PER = BLK / SUB, GPS = SUB / 4;       // sub-blocks per block, code vectors per sub-block
@@ -198,18 +210,14 @@ SSD_AVX512 void rows_avx512(const Params& p, const Acts& a, int64_t t, int64_t r
       const __m512 S = p.sc ? _mm512_mul_ps(dS, load_int8_as_float(p.sc + (t * nsub + si) * TILE)) : dS;
       const __m512 O = p.mn ? _mm512_mul_ps(dO, load_int8_as_float(p.mn + (t * nsub + si) * TILE)) : dO;
       __m512i idot[R];
-      for (int i = 0; i < R; ++i) idot[i] = _mm512_setzero_si512();
+      for (int i = 0; i < R; ++i) idot[i] = _mm512_set1_epi32(-(int32_t)p.sym * a.xs[(r0 + i) * nsub + si]);
       for (int g = 0; g < GPS; ++g)
-        for (int i = 0; i < R; ++i) {
-          int32_t xv;
-          std::memcpy(&xv, xrow[i] + b * BLK + s * SUB + g * 4, 4);
-          idot[i] = _mm512_dpbusd_epi32(idot[i], cv[s * GPS + g], _mm512_set1_epi32(xv));
-        }
+        for (int i = 0; i < R; ++i) dpbusd_bcast(idot[i], cv[s * GPS + g], xrow[i] + b * BLK + s * SUB + g * 4);
       for (int i = 0; i < R; ++i) {
         const int64_t r = r0 + i;
         const __m512 f = _mm512_mul_ps(S, _mm512_set1_ps(a.dx[r * nb + b]));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(idot[i]), f, acc[i]);
-        acc[i] = _mm512_fmadd_ps(O, _mm512_set1_ps(a.xsd[r * nsub + si]), acc[i]);
+        if (!p.sym) acc[i] = _mm512_fmadd_ps(O, _mm512_set1_ps(a.xsd[r * nsub + si]), acc[i]);
       }
     }
   }
@@ -270,7 +278,7 @@ int64_t qgemm_best_isa() { return best_isa(); }
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor dS, torch::Tensor dO,
                     c10::optional<torch::Tensor> sc, c10::optional<torch::Tensor> mn,
                     c10::optional<torch::Tensor> bias, int64_t N, int64_t SB, int64_t SUB, int64_t bits,
-                    int64_t isa) {
+                    int64_t sym, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qgemm: x must be 2-D float32");
   TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
   TORCH_CHECK(SUB == 16 || SUB == 32, "qgemm: SUB must be 16 or 32");
@@ -286,7 +294,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor dS, torc
            sc.has_value() ? sc->data_ptr<int8_t>() : nullptr,
            mn.has_value() ? mn->data_ptr<int8_t>() : nullptr,
            bias.has_value() ? bias->data_ptr<float>() : nullptr,
-           N, K, SB, SUB, bits};
+           N, K, SB, SUB, bits, sym};
   if (sc.has_value()) TORCH_CHECK(sc->numel() == NT * (K / SUB) * TILE, "qgemm: sc size mismatch");
   if (mn.has_value()) TORCH_CHECK(mn->numel() == NT * (K / SUB) * TILE, "qgemm: mn size mismatch");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32, "qgemm: bias");
@@ -294,16 +302,19 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor dS, torc
   auto xq = torch::empty({M, K}, torch::kInt8);
   auto dx = torch::empty({M, K / BLK}, torch::kFloat32);
   auto xsd = torch::empty({M, K / SUB}, torch::kFloat32);
+  auto xs = torch::empty({M, K / SUB}, torch::kInt32);
   auto y = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* dxp = dx.data_ptr<float>();
   float* xsdp = xsd.data_ptr<float>();
+  int32_t* xsp = xs.data_ptr<int32_t>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp + r0 * K, r1 - r0, K, SUB, xqp + r0 * K, dxp + r0 * (K / BLK), xsdp + r0 * (K / SUB));
+    quantize_rows(xp + r0 * K, r1 - r0, K, SUB, xqp + r0 * K, dxp + r0 * (K / BLK), xsdp + r0 * (K / SUB),
+                  xsp + r0 * (K / SUB));
   });
-  Acts a{xqp, dxp, xsdp};
+  Acts a{xqp, dxp, xsdp, xsp};
   if (isa < 0 || isa > best_isa()) isa = best_isa();
   TileFn fn = pick((int)isa, SUB, bits);
   float* yp = y.data_ptr<float>();

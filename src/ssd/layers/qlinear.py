@@ -49,7 +49,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        outs = [self._ops.qgemm(x2, p.codes, p.dS, p.dO, p.sc, p.mn, b, p.N, p.SB, p.SUB, p.bits, self._isa)
+        outs = [self._ops.qgemm(x2, p.codes, p.dS, p.dO, p.sc, p.mn, b, p.N, p.SB, p.SUB, p.bits, p.sym, self._isa)
                 for p, b in zip(self._packed, self._bias)]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y.reshape(*shape[:-1], self.out_features)

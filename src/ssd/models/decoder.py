@@ -117,5 +117,5 @@ class DecoderModel(nn.Module):
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights read by one decode step (the memory-bandwidth bound's numerator)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        linears = [m for m in self.modules() if isinstance(m, (Linear, QuantLinear))]
         return sum(m.weight_bytes() for m in linears) + self.cfg.hidden_size * self.embed.element_size()

@@ -29,14 +29,16 @@ class LoadedModel:
     dtype_name: str
 
 
-LOW_BIT = ("gguf", "q8_0")
+LOW_BIT = ("gguf", "q8_0", "q4_1")
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str | None]:
     """-> (storage dtype, backend: None | "fp16" | "int8" | "gguf").
     'auto' = fp16 weights via FBGEMM on CPU, bf16 on CUDA (load_model picks 'gguf' first for GGUF
     models on CPU). 'int8' = FBGEMM int8 (CPU only). 'gguf' = the GGUF's low-bit weights as stored,
-    'q8_0' = load-time Q8_0 quantization of float weights (lossy), both on the low-bit kernel."""
+    'q8_0' = load-time Q8_0 quantization of float weights (lossy), 'q4_1' = 4-bit codes everywhere
+    (GGUF 4-bit tensors as stored, the others and float models requantized to Q4_1: lossy, for
+    drafts), all on the low-bit kernel."""
     if dtype in LOW_BIT:
         if device.type != "cpu":
             raise ValueError(f"dtype {dtype} runs on the CPU low-bit kernels; on CUDA use bfloat16")
@@ -60,15 +62,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str | 
 
 def draft_dtype_for(dtype: str, draft_dtype: str | None, device: str | torch.device,
                     spec: str | Path | None = None) -> str:
-    """The draft's dtype: as asked; else, when the target's dtype is 'auto' on a CPU: 'auto' for a
-    GGUF draft (its low-bit weights as stored) and FBGEMM int8 for a float one (a draft's numerics
-    change only how often it is right, never what the target emits, and int8 makes a CPU draft
-    ~1.7x faster than fp16); else the target's dtype."""
+    """The draft's dtype: as asked; else, when the target's dtype is 'auto' on a CPU: 'q4_1' for a
+    GGUF draft (4-bit codes: its 4-bit tensors as stored, the wider ones requantized) and FBGEMM
+    int8 for a float one (a draft's numerics change only how often it is right, never what the
+    target emits; fewer bytes make each draft step cheaper); else the target's dtype."""
     if draft_dtype is not None:
         return draft_dtype
     if dtype == "auto" and torch.device(device).type == "cpu":
         if spec is not None and _gguf_source(spec) is not None:
-            return "auto"
+            return "q4_1"
         if fbgemm_fp16_available():
             return "int8"
     return dtype
@@ -91,7 +93,7 @@ def _low_bit_getter(spec, dtype: str, device: torch.device, folder_get):
     """A weight getter for the low-bit kernel, or None when the model/dtype does not take it."""
     if device.type != "cpu" or dtype not in ("auto",) + LOW_BIT:
         return None
-    src = _gguf_source(spec) if dtype in ("auto", "gguf") else None
+    src = _gguf_source(spec) if dtype in ("auto", "gguf", "q4_1") else None
     if dtype == "gguf" and src is None:
         raise ValueError(f"dtype gguf needs a GGUF model (a .gguf file or a built-in model); {spec} is not one. "
                          "Use dtype q8_0 to quantize a float model at load time")
@@ -106,15 +108,31 @@ def _low_bit_getter(spec, dtype: str, device: torch.device, folder_get):
             raise
         log.warning("%s; running %s with fp16 weights instead (slower)", e, spec)
         return None
+    from ssd.kernels.gguf_pack import QWeight, quantize_q4_1, quantize_q8_0, to_4bit
+
     if src is not None:
         from ssd.models.gguf_weights import GGUFWeights
 
-        return GGUFWeights(src)
-    from ssd.kernels.gguf_pack import quantize_q8_0
+        weights = GGUFWeights(src)
+        if dtype != "q4_1":
+            return weights
+
+        def get4(name):
+            w = weights(name)
+            if _is_linear_weight(name):
+                if isinstance(w, QWeight):
+                    return to_4bit(w)
+                if w.dim() == 2 and w.shape[1] % 32 == 0:
+                    return quantize_q4_1(w)
+            return w
+        get4.reader = weights.reader
+        get4.requantized = True
+        return get4
+    quant = quantize_q4_1 if dtype == "q4_1" else quantize_q8_0
 
     def get(name):
         w = folder_get(name)
-        return quantize_q8_0(w) if _is_linear_weight(name) and w.dim() == 2 and w.shape[1] % 32 == 0 else w
+        return quant(w) if _is_linear_weight(name) and w.dim() == 2 and w.shape[1] % 32 == 0 else w
     return get
 
 
@@ -168,7 +186,12 @@ def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device
     if packed == "gguf":
         fmts = sorted({f for m in model.modules() if m.__class__.__name__ == "QuantLinear"
                        for f in m.backend.split(":", 1)[1].split(",")})
-        src = "as stored in the GGUF" if hasattr(get, "reader") else "quantized to Q8_0 at load (lossy)"
+        if getattr(get, "requantized", False):
+            src = "from the GGUF, wider codes requantized to Q4_1 (lossy)"
+        elif hasattr(get, "reader"):
+            src = "as stored in the GGUF"
+        else:
+            src = f"quantized to {dtype.upper()} at load (lossy)"
         name = f"low-bit {'/'.join(fmts)} {src} (int8 activations per 32 values)"
     log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", path.name, cfg.architecture, cfg.num_layers,
              name, device, time.perf_counter() - t0)
