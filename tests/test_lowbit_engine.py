@@ -94,3 +94,35 @@ def test_gguf_draft_defaults_to_4bit_codes():
     assert draft_dtype_for("auto", None, "cpu", "smollm2-135m") == "q4_1"
     assert draft_dtype_for("auto", "gguf", "cpu", "smollm2-135m") == "gguf"
     assert draft_dtype_for("float32", None, "cpu", "smollm2-135m") == "float32"
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_seeded_request_ignores_batch_mates_and_arrival_order(tiny_pair, mode):
+    """On the batch-invariant kernels a seeded request gives the same tokens alone, behind other
+    requests, and next to mates that draft more than it does (its last round drafts fewer tokens).
+    SSD with backup='neural' (the 'auto' backup choice depends on the batch size by design)."""
+    target, draft = tiny_pair
+    kw = dict(dtype="q8_0", progress=False)
+    if mode != "ar":
+        kw.update(draft=str(draft), mode=mode, k=4)
+    if mode == "ssd":
+        kw.update(backup="neural")
+    me = SamplingParams(temperature=1.0, top_k=40, seed=123, max_tokens=10, ignore_eos=True)
+    mate = SamplingParams(temperature=0.9, seed=5, max_tokens=37, ignore_eos=True)
+    lm = LLM(str(target), **kw)
+    try:
+        alone = lm.generate(["hello world"], me)[0].token_ids
+        lm.generate(["warm up the arrival counter"], mate)
+        crowd = lm.generate(["abc abc abc", "hello world", "x"], [mate, me, mate])[1].token_ids
+        later = lm.generate(["x", "hello world"], [mate, me])[1].token_ids
+    finally:
+        lm.close()
+    assert alone == crowd == later
+
+
+def test_seed_out_of_int64_range_is_refused():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-1)
+    SamplingParams(seed=2**63 - 1)

@@ -366,9 +366,14 @@ def test_generators_give_k_accept_uniforms_then_the_bonus_uniform() -> None:
     assert torch.equal(result.bonus_token, expected.bonus_token)
 
 
-def test_generators_consume_same_uniforms_whatever_num_draft() -> None:
-    target, draft, tokens = _random_round(17, batch=1)
-    g_short, g_full = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    verify_with_generators(target, draft, tokens, [g_short], num_draft=torch.tensor([1]))
-    verify_with_generators(target, draft, tokens, [g_full])
-    assert torch.equal(torch.rand(3, generator=g_short), torch.rand(3, generator=g_full))
+def test_a_row_consumes_uniforms_by_its_own_num_draft_not_its_batch_mates() -> None:
+    """Row b draws num_draft[b] + 1 uniforms: the same alone (K = its num_draft) as next to a mate
+    that drafts more (K = the mate's), so a seeded request's stream ignores its batch mates."""
+    target, draft, tokens = _random_round(17, batch=2)
+    g_alone, g_row = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    alone = verify_with_generators(target[1:, :2], draft[1:, :1], tokens[1:, :1], [g_alone])
+    mixed = verify_with_generators(target, draft, tokens, [torch.Generator().manual_seed(9), g_row],
+                                   num_draft=torch.tensor([draft.shape[1], 1]))
+    assert torch.equal(torch.rand(3, generator=g_alone), torch.rand(3, generator=g_row))
+    assert int(alone.accepted_len[0]) == int(mixed.accepted_len[1])
+    assert int(alone.bonus_token[0]) == int(mixed.bonus_token[1])

@@ -52,6 +52,8 @@ class SamplingParams:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise bad(f"seed must be in [0, 2**63), got {self.seed}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

@@ -354,7 +354,7 @@ class DraftWorker:
         chains = []
         for j in jobs:
             c = j.chain or Chain(j.k, j.bonus, j.want, torch.Generator().manual_seed(
-                _chain_seed(j.seq.params.seed, j.seq.seq_id, j.rnd, j.k, j.bonus)))
+                _chain_seed(j.seq.params.seed, j.rnd, j.k, j.bonus)))
             if not main and c.region is None:
                 c.region = self.free_regions.pop()
             chains.append(c)
@@ -474,8 +474,10 @@ class EMA:
         self.value += self.alpha * (x - self.value)
 
 
-def _chain_seed(seed: int, seq_id: int, rnd: int, k: int, t: int) -> int:
-    h = hashlib.blake2b(f"{seed}:{seq_id}:{rnd}:{k}:{t}".encode(), digest_size=8).digest()
+def _chain_seed(seed: int, rnd: int, k: int, t: int) -> int:
+    """The request's seed (not its arrival order: a seeded request drafts the same chains whatever
+    came before it), the round (numbered from the context length), the outcome (k, bonus t)."""
+    h = hashlib.blake2b(f"{seed}:{rnd}:{k}:{t}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ssd.layers.sampler import inverse_cdf_sample, uniforms
+from ssd.layers.sampler import inverse_cdf_sample
 
 __all__ = ["VerifyResult", "acceptance_prob", "residual", "verify", "verify_with_generators"]
 
@@ -110,12 +110,20 @@ def verify_with_generators(
 ) -> VerifyResult:
     """`verify` with uniforms drawn per row from that row's generator (None: global RNG).
 
-    Every row always draws K accept uniforms then one bonus uniform, whatever it accepts and
-    whatever its num_draft, so a seeded request's stream depends only on K and its own history.
+    Row b draws num_draft[b] accept uniforms then one bonus uniform (K + 1 without num_draft),
+    whatever it accepts: its random stream depends only on its own proposals, never on the draft
+    lengths of its batch mates.
     """
-    k = target_probs.shape[1] - 1
-    u = uniforms(generators, k + 1, device=target_probs.device)
-    return verify(target_probs, draft_probs, draft_tokens, u[:, :k], u[:, k], num_draft)
+    B, k = target_probs.shape[0], target_probs.shape[1] - 1
+    nd = [k] * B if num_draft is None else [int(n) for n in num_draft.tolist()]
+    accept_u = torch.ones(B, k, dtype=torch.float64)
+    bonus_u = torch.empty(B, dtype=torch.float64)
+    for b, g in enumerate(generators):
+        r = torch.rand(nd[b] + 1, dtype=torch.float64, generator=g, device=g.device if g is not None else None)
+        accept_u[b, :nd[b]] = r[:nd[b]].cpu()
+        bonus_u[b] = r[nd[b]]
+    dev = target_probs.device
+    return verify(target_probs, draft_probs, draft_tokens, accept_u.to(dev), bonus_u.to(dev), num_draft)
 
 
 def _check_shapes(
