@@ -126,3 +126,41 @@ def test_seed_out_of_int64_range_is_refused():
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=-1)
     SamplingParams(seed=2**63 - 1)
+
+
+def test_fused_layer_glue_matches_the_torch_layer(tiny_hf):
+    """The C++ glue (RMSNorm, q/k/v split + q/k norm + rope, SiLU*up) against the PyTorch layer code,
+    for Llama-3 (rope scaling), Qwen2 (q/k/v bias), Qwen3 (q/k norm). (Whole forwards are not
+    compared: a 1e-7 difference can flip one int8 activation code, which then moves the output by a
+    quantization step.)"""
+    from conftest import make_char_tokenizer
+    from ssd.models.loader import load_model
+
+    kind, path, _ = tiny_hf
+    make_char_tokenizer(path)
+    model = load_model(path, "q8_0", progress=False).model
+    layer = model.layers[1]
+    ops, isa = layer.fused
+    T, g = 7, torch.Generator().manual_seed(0)
+    x = torch.randn(T, model.cfg.hidden_size, generator=g) * 3
+    torch.testing.assert_close(ops.rms_norm(x, layer.input_norm.weight, layer.input_norm.eps), layer.input_norm(x),
+                               rtol=1e-6, atol=1e-6)
+    pos = torch.tensor([0, 1, 2, 30, 31, 100, 200])
+    qkv = torch.randn(T, (layer.h + 2 * layer.hkv) * layer.d, generator=g)
+    e = torch.empty(0)
+    qn = layer.q_norm.weight if layer.q_norm is not None else e
+    kn = layer.k_norm.weight if layer.k_norm is not None else e
+    q, k, v = ops.qkv_rope(qkv, pos, model.rope.cos, model.rope.sin, layer.h, layer.hkv, layer.d, qn, kn,
+                           model.cfg.rms_norm_eps)
+    rq, rk, rv = qkv.split([layer.h * layer.d, layer.hkv * layer.d, layer.hkv * layer.d], dim=-1)
+    rq, rk, rv = rq.reshape(T, layer.h, layer.d), rk.reshape(T, layer.hkv, layer.d), rv.reshape(T, layer.hkv, layer.d)
+    if layer.q_norm is not None:
+        rq, rk = layer.q_norm(rq), layer.k_norm(rk)
+    rq, rk = model.rope(pos, rq, rk)
+    torch.testing.assert_close(q, rq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v, rv)
+    gu = torch.randn(T, 2 * layer.ffn, generator=g) * 4
+    gate, up = gu.split([layer.ffn, layer.ffn], dim=-1)
+    for i in (isa, 0):
+        torch.testing.assert_close(ops.silu_mul(gu, i), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,6 @@
 """Build (once, cached) and load the C++ kernels with PyTorch's JIT extension loader.
 
-The first call compiles `qgemm.cpp` and `attention.cpp` (under a minute on 2 cores); later processes load the cached
+The first call compiles `qgemm.cpp`, `attention.cpp` and `fused.cpp` (about a minute on 2 cores); later processes load the cached
 shared object. The cache lives under the model cache (`$SSD_CACHE_DIR` or ~/.cache/ssd), in a
 folder named after the source's hash and the torch version, so an edit or a torch upgrade
 rebuilds. `make` builds it up front (scripts/build_kernels.py).
@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("qgemm.cpp"), Path(__file__).with_name("attention.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp", "fused.cpp")]
 _LOCK = threading.Lock()
 _MODULE = None
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}

@@ -329,7 +329,17 @@ void paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
                           torch::Tensor rows, torch::Tensor seq, torch::Tensor nkeys, torch::Tensor out,
                           double scale, int64_t isa);
 
+// fused.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                    int64_t H, int64_t Hkv, int64_t D, torch::Tensor q_norm, torch::Tensor k_norm,
+                                    double eps);
+torch::Tensor silu_mul(torch::Tensor gu, int64_t isa);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "row-wise RMSNorm (float32)");
+  m.def("qkv_rope", &qkv_rope, "split q/k/v, optional q/k RMSNorm, rotary embedding");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("qgemm", &qgemm, "low-bit GGUF GEMM");
   m.def("paged_attention_rows", &paged_attention_rows, "batch-invariant attention over a paged fp16 KV cache");
   m.def("best_isa", &qgemm_best_isa, "0 portable, 1 avx2, 2 avx512-vnni");

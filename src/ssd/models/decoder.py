@@ -53,8 +53,11 @@ class DecoderLayer(nn.Module):
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.ffn = cfg.intermediate_size
         self.scale = cfg.head_dim ** -0.5
+        self.fused = None          # (ops module, isa) when DecoderModel enables the C++ glue
 
     def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+        if self.fused is not None:
+            return self._forward_fused(x, positions, rope, k_cache, v_cache, meta)
         T = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
         q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
@@ -66,6 +69,24 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(attn.reshape(T, self.h * self.d))
         gate, up = self.gate_up(self.post_norm(x)).split([self.ffn, self.ffn], dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
+
+    def _forward_fused(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+        """The same layer with its row-wise glue in C++ (CPU low-bit path, float32 activations)."""
+        ops, isa = self.fused
+        T = x.shape[0]
+        eps = self.input_norm.eps
+        qkv = self.qkv(ops.rms_norm(x, self.input_norm.weight, eps))
+        qn = self.q_norm.weight if self.q_norm is not None else _EMPTY
+        kn = self.k_norm.weight if self.k_norm is not None else _EMPTY
+        q, k, v = ops.qkv_rope(qkv, positions, rope.cos, rope.sin, self.h, self.hkv, self.d, qn, kn,
+                               self.q_norm.eps if self.q_norm is not None else eps)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        x = x + self.o_proj(attn.reshape(T, self.h * self.d))
+        h = self.gate_up(ops.rms_norm(x, self.post_norm.weight, self.post_norm.eps))
+        return x + self.down(ops.silu_mul(h, isa))
+
+
+_EMPTY = torch.empty(0)
 
 
 class DecoderModel(nn.Module):
@@ -104,12 +125,23 @@ class DecoderModel(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.weight.data = m.weight.data.to(self.dtype)
+        if packed == "gguf":
+            from ssd.kernels.build import forced_isa, load_qgemm
+
+            fused = (load_qgemm(), forced_isa())
+            for layer in self.layers:
+                layer.fused = fused
+            self._fused_norm = fused[0]
+        else:
+            self._fused_norm = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self.embed(tokens) if isinstance(self.embed, QuantEmbedding) else self.embed[tokens].to(self.dtype)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kc, vc, meta)
+        if self._fused_norm is not None:
+            return self._fused_norm.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
