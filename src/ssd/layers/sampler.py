@@ -2,7 +2,7 @@
 
 This module is the one place where logits become probabilities: the target's p, the draft's q
 and plain autoregressive sampling all go through `logits_to_probs`, so the verifier always sees
-exactly the distribution a token was drawn from (DESIGN.md section 1).
+exactly the distribution a token was drawn from (docs/ARCHITECTURE.md section 1).
 
 Sampling is inverse-CDF with one uniform per row drawn from that row's own generator, so a
 seeded request reproduces regardless of its batch mates or its position in the batch.

@@ -1,4 +1,4 @@
-"""The fast backup proposer: a speculation at near-zero cost when the cache misses (DESIGN.md 1.3).
+"""The fast backup proposer: a speculation at near-zero cost when the cache misses (docs/ARCHITECTURE.md 1.3).
 
 Prompt lookup: the sequence's own context often repeats itself (code, quoted text, lists), so the
 tokens that followed the most recent earlier occurrence of its last few tokens are a cheap guess

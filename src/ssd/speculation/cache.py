@@ -1,4 +1,4 @@
-"""The speculation cache: pre-drafted chains keyed by verification outcome (DESIGN.md 1, 1.1).
+"""The speculation cache: pre-drafted chains keyed by verification outcome (docs/ARCHITECTURE.md 1, 1.1).
 
 While the target verifies round i of a sequence, the draft pre-drafts round i + 1 for predicted
 outcomes v = (k, t): k of the K sent tokens accepted, bonus token t. Each such chain is stored

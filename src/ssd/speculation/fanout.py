@@ -1,4 +1,4 @@
-"""Geometric fan-out: how many bonus-token candidates to pre-draft per outcome (DESIGN.md 1.1).
+"""Geometric fan-out: how many bonus-token candidates to pre-draft per outcome (docs/ARCHITECTURE.md 1.1).
 
 While the target verifies a round of K draft tokens, the draft pre-drafts the next round for the
 outcomes v = (k, t) it thinks likely: k accepted tokens, bonus token t. The fan-out F_k is the

@@ -1,4 +1,4 @@
-"""Saguaro sampling: bend the draft's proposal toward outcomes the speculation cache holds (DESIGN.md 1.2).
+"""Saguaro sampling: bend the draft's proposal toward outcomes the speculation cache holds (docs/ARCHITECTURE.md 1.2).
 
 At a rejection the verifier draws the bonus token from the residual norm(max(p - q, 0)). The
 speculation cache holds, for each k, the draft's top-F_k tokens at that position: it hits when the

@@ -1,4 +1,4 @@
-"""Rejection-sampling verification of drafted tokens (DESIGN.md section 1).
+"""Rejection-sampling verification of drafted tokens (docs/ARCHITECTURE.md section 1).
 
 For each row, draft tokens d_1..d_K were drawn from proposal distributions q_1..q_K and the
 target scored them with p_1..p_{K+1}. Token d_j is accepted while u_j < min(1, p_j(d_j) / q_j(d_j));
