@@ -202,3 +202,19 @@ def test_vocab_mismatch_is_refused(tiny_pair, tmp_path):
     assert len(AutoTokenizer.from_pretrained(str(tmp_path))) > len(AutoTokenizer.from_pretrained(str(tiny_pair[0])))
     with pytest.raises(VocabMismatchError, match="tokenizers differ"):
         LLM(str(tiny_pair[0]), draft=str(tmp_path), progress=False)
+
+
+def test_sd_spec_max_batch_catches_up_when_the_batch_shrinks(tiny_pair):
+    """3 sequences > spec_max_batch=2 decode one token per round (the draft is not fed); once the
+    short one finishes the other two speculate again: the draft first feeds the tokens it missed.
+    (Before the fix: RuntimeError 'no KV room reserved' on the first speculative round.)"""
+    target, draft = tiny_pair
+    prompts = ["hello world", "abc abc", "x y z"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 30, 30)]
+    ref = [o.token_ids for o in LLM(str(target), dtype="float32", progress=False).generate(prompts, params)]
+    sd = LLM(str(target), draft=str(draft), k=3, dtype="float32", spec_max_batch=2, progress=False)
+    outs = sd.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert outs[1].metrics.target_forwards < 29           # it speculated after the batch shrank
+    bm = sd.engine.draft.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -164,3 +164,44 @@ def test_fused_layer_glue_matches_the_torch_layer(tiny_hf):
     gate, up = gu.split([layer.ffn, layer.ffn], dim=-1)
     for i in (isa, 0):
         torch.testing.assert_close(ops.silu_mul(gu, i), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("draft_vocab", [136, 112])
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_draft_with_another_vocabulary_width(tiny_pair, tmp_path, mode, draft_vocab):
+    """Real pairs differ in embedding rows (Qwen2.5-7B 152064, 0.5B 151936). The draft's proposals
+    are aligned to the target's width (extra ids dropped, missing ones never sampled) in SD and in
+    the SSD worker: greedy equals AR, sampling runs, SSD stays SSD."""
+    from conftest import make_char_tokenizer, make_tiny_hf
+
+    target, _ = tiny_pair
+    d = tmp_path / "draft"
+    make_tiny_hf("qwen2", d, seed=3, vocab=draft_vocab)
+    make_char_tokenizer(d)
+    ar = LLM(str(target), dtype="float32", progress=False)
+    ref = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+    lm = LLM(str(target), draft=str(d), mode=mode, k=3, dtype="float32", progress=False)
+    try:
+        assert [o.token_ids for o in lm.generate(PROMPTS, GREEDY)] == ref
+        hot = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True)
+        assert all(len(o.token_ids) == 20 for o in lm.generate(PROMPTS, hot))
+        assert lm.engine.degraded_from is None
+    finally:
+        lm.close()
+
+
+def test_ssd_stays_ssd_under_a_full_kv_cache(tiny_pair):
+    """The worker's KV pool is the target's plus its pre-draft scratch space: a target cache so small
+    that requests are preempted must not make the worker run out of room and degrade to AR."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = ["hello world " * 3, "abc abc abc", "x y z w", "the quick brown fox"]
+    ref = [o.token_ids for o in LLM(str(target), dtype="float32", progress=False).generate(prompts, params)]
+    lm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.0001)
+    try:
+        assert lm.engine.target.block_manager.num_blocks < 16
+        assert [o.token_ids for o in lm.generate(prompts, params)] == ref
+        assert lm.engine.degraded_from is None
+        assert lm.engine.scheduler.num_preemptions > 0
+    finally:
+        lm.close()

@@ -213,6 +213,8 @@ def test_bad_chat_requests(http):
                           ({"messages": []}, "at least one message"),
                           ({"messages": [{"content": "x"}]}, "'messages.0.role'"),
                           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+                          ({"messages": [{"role": "user"}]}, "messages[0] ('user') has no 'content'"),
+                          ({"messages": [*CHAT, {"role": "assistant", "content": None}]}, "has no 'content'"),
                           ({"messages": CHAT, "logprobs": True}, "not supported yet"),
                           ({"messages": CHAT, "tools": [{"type": "function"}]}, "not supported")]:
         r = post(body)
@@ -476,3 +478,35 @@ def test_streaming_utf8_split_across_tokens(tmp_path):
                                                n=6, stream=True, extra_body=NO_EOS):
             texts[chunk.choices[0].index] += chunk.choices[0].text
     assert texts == [w.text for w in want]
+
+
+def test_a_failed_step_fails_only_the_requests_it_ran(tiny_pair):
+    """A request that arrives while a step fails is served normally afterwards."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    llm = tiny_llm(tiny_pair)
+    real = llm.engine.step
+    armed, entered, release = [False], threading.Event(), threading.Event()
+
+    def step():
+        if armed[0]:
+            armed[0] = False
+            entered.set()
+            release.wait(10)
+            raise RuntimeError("injected failure")
+        return real()
+
+    llm.engine.step = step
+    with BackgroundServer(build_app(llm, served_name="tiny")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c, ThreadPoolExecutor(2) as ex:
+        armed[0] = True
+        fa = ex.submit(c.post, "/v1/completions", json={"prompt": "hello", "max_tokens": 20, **NO_EOS})
+        assert entered.wait(10)
+        fb = ex.submit(c.post, "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0})
+        time.sleep(0.5)                 # b's request is queued behind the failing step
+        release.set()
+        ra, rb = fa.result(30), fb.result(30)
+        assert ra.status_code >= 500 and "injected failure" in ra.text
+        assert rb.status_code == 200, rb.text
+        assert rb.json()["usage"]["completion_tokens"] == 4

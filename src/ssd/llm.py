@@ -106,7 +106,7 @@ class LLM:
                            fanout_budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c, backup=cfg.backup,
                            timeout_s=cfg.worker_timeout_s, num_blocks=target_runner.block_manager.num_blocks,
                            block_size=cfg.block_size, max_model_len=self.max_model_len, listen=cfg.draft_host,
-                           device=device)
+                           device=device, target_vocab=self.target.config.vocab_size)
 
     def write_trace(self, path) -> None:
         """Write the target/draft timeline as Chrome/Perfetto trace JSON (needs LLM(..., trace=True))."""

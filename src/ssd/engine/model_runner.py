@@ -74,6 +74,11 @@ class ModelRunner:
         ctx_slots = [it.slots if it.slots is not None else
                      block_slots(bm.block_table(it.seq_id), bm.block_size, it.start + len(it.tokens))
                      for it in items]
+        V = self.model.cfg.vocab_size
+        if tokens and max(tokens) >= V:
+            # a draft narrower than its target sees target-only ids (padding rows): any id of its own
+            # will do, since the target verifies every proposal
+            tokens = [x if x < V else 0 for x in tokens]
         meta = AttentionMetadata.build([len(it.tokens) for it in items], ctx_slots, self.device,
                                        kernel=self.attention_kernel)
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)

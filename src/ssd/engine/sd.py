@@ -54,10 +54,28 @@ class SDStep:
                 probs[b].append(q[row])
         return tokens, [torch.stack(p) if p else None for p in probs]
 
+    def _room_for_catch_up(self, seqs: list[Sequence], k_eff: list[int]) -> list[int]:
+        """A draft that fell behind (one-token rounds under spec_max_batch) first feeds the tokens it
+        missed, which needs more draft KV slots than the scheduler's K+1 lookahead: reserve them, or
+        run a one-token round for that sequence when the draft cache has no room."""
+        dbm = self.draft.block_manager
+        out = []
+        for s, k in zip(seqs, k_eff):
+            need = len(s) + k - 1 - dbm.num_tokens(s.seq_id) if k else 0
+            if need > 0:
+                if dbm.can_append(s.seq_id, need):
+                    dbm.append(s.seq_id, need)
+                else:
+                    k = 0
+            out.append(k)
+        return out
+
     def decode(self, seqs: list[Sequence]) -> None:
         k_eff = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
         if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch:
             k_eff = [0] * len(seqs)   # the verify becomes a one-token decode; the draft catches up later
+        else:
+            k_eff = self._room_for_catch_up(seqs, k_eff)
         with self.tracer.span("draft", "draft"):
             drafts, qs = self.propose(seqs, k_eff)
         lens = [len(s) for s in seqs]

@@ -80,7 +80,8 @@ class DraftClient:
     def __init__(self, model_path: str, dtype: str, k: int, *, threads: int | None = None,
                  cores: list[int] | None = None, fanout_budget: int | None = None, saguaro_c: float = 1.0,
                  backup: str = "auto", timeout_s: float = 60.0, num_blocks: int = 4096, block_size: int = 16,
-                 max_model_len: int = 4096, listen: str | None = None, device: str = "cpu"):
+                 max_model_len: int = 4096, listen: str | None = None, device: str = "cpu",
+                 target_vocab: int | None = None):
         self.proc = None
         self.abandoned = False
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
@@ -108,6 +109,7 @@ class DraftClient:
             self.close()
             raise DraftWorkerError(f"the draft worker at {host}:{port} pre-drafts k={worker_k} tokens but the engine "
                                    f"uses k={k}: start the worker with --k {k} (or the engine with k={worker_k})")
+        self.chan.send(Msg.CONFIG, [int(target_vocab if target_vocab is not None else self.vocab)])
         log.info("draft worker %d is up (%s)", self.pid, "local process" if self.proc else f"remote, {host}:{port}")
 
     def _join(self, host: str, port: int, timeout_s: float) -> None:

@@ -10,10 +10,10 @@ with `code` an unsigned integer (uint8), dS/dO fp16 per super-block of SB values
 small signed integers per sub-block of SUB values (absent = 1):
 
     format  SB   SUB  code            dS     dO        sc       mn      stored bits/weight
-    Q8_0    32   32   q + 128 (8 bit) d      -128 d    -        -       8.5 -> 9.0 (8-bit codes)
-    Q5_0    32   32   q (5 bit)       d      -16 d     -        -       5.5 -> 9.0 (8-bit codes)
+    Q8_0    32   32   q + 128 (8 bit) d      -128 d    -        -       8.5 -> 9.0
+    Q5_0    32   32   q (5 bit)       d      -16 d     -        -       5.5 -> 7.0 (6-bit codes)
     Q4_K    256  32   q (4 bit)       d      -dmin     scale    min     4.5 -> 4.625
-    Q6_K    256  16   q (6 bit)       d      -32 d     scale    scale   6.56 -> 8.56 (8-bit codes)
+    Q6_K    256  16   q (6 bit)       d      -32 d     scale    scale   6.56 -> 6.625
     Q4_0    32   32   q (4 bit)       d      -8 d      -        -       4.5 -> 5.0
     Q4_1    32   32   q (4 bit)       d      m         -        -       5.0 -> 5.0
 
@@ -49,7 +49,7 @@ class QWeight:
     mn: np.ndarray | None       # int8 [N, K // SUB]
     SB: int
     SUB: int
-    bits: int                   # 4 or 8: how the kernel stores the codes
+    bits: int                   # 4, 6 or 8: how the kernel stores the codes
     sym: int = 0                # c > 0 when w = S * (code - c) exactly (dO * mn == -c * dS * sc)
 
     @property
@@ -67,7 +67,7 @@ class QWeight:
     def nbytes_packed(self) -> int:
         n, k = self.shape
         n = -(-n // TILE) * TILE
-        total = n * k * self.bits // 8 + 2 * 2 * n * (k // self.SB)
+        total = n * k * self.bits // 8 + 2 * 2 * n * (k // self.SB)      # codes + dS/dO
         total += sum(n * (k // self.SUB) for a in (self.sc, self.mn) if a is not None)
         return total
 
@@ -114,7 +114,7 @@ def unpack(raw: np.ndarray, type_id: int, shape: tuple[int, int]) -> QWeight:
             dO, bits = _f16(b[..., 2:4]).reshape(N, -1), 4
         else:
             dO = d * np.float16(-16 if name == "Q5_0" else -8)
-            bits = 8 if name == "Q5_0" else 4
+            bits = 6 if name == "Q5_0" else 4
         sym = {"Q5_0": 16, "Q4_0": 8}.get(name, 0)
         return QWeight(name, lo.reshape(N, K), d, dO, None, None, 32, 32, bits, sym)
     if name == "Q4_K":
@@ -137,7 +137,7 @@ def unpack(raw: np.ndarray, type_id: int, shape: tuple[int, int]) -> QWeight:
         hi = qh.reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
         hi = (hi & 0x03).reshape(N, -1, 8, 32)
         code = (lo | (hi << 4)).reshape(N, K)
-        return QWeight(name, code, d, d * np.float16(-32), sc, sc, 256, 16, 8, 32)
+        return QWeight(name, code, d, d * np.float16(-32), sc, sc, 256, 16, 6, 32)
     raise ValueError(f"unsupported GGUF type {name}")
 
 
@@ -189,8 +189,15 @@ def pack(w: QWeight) -> PackedWeight:
     code = w.code if Np == N else np.concatenate([w.code, np.zeros((Np - N, K), dtype=np.uint8)])
     # [NT, 16 cols, nb, 8 groups, 4] -> [NT, nb, 8, 16, 4]
     v = code.reshape(NT, TILE, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(NT, nb, 8, 64)
-    if w.bits == 4:
-        v = v[:, :, :4] | (v[:, :, 4:] << 4)
+    if w.bits in (4, 6):
+        lo = v & 0x0F
+        nib = lo[:, :, :4] | (lo[:, :, 4:] << 4)                                   # [NT, nb, 4, 64]
+        if w.bits == 6:
+            hi = (v >> 4) & 0x03                                                   # vector 4h+i -> plane h, pair i
+            hi = hi.reshape(NT, nb, 2, 4, 64)
+            planes = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+            nib = np.concatenate([nib.reshape(NT, nb, 256), planes.reshape(NT, nb, 128)], axis=-1)
+        v = nib
     codes = torch.from_numpy(np.ascontiguousarray(v).reshape(-1))
     t = lambda a: None if a is None else torch.from_numpy(_tiles(a, Np).reshape(-1))  # noqa: E731
     dS = torch.from_numpy(_tiles(w.dS, Np).reshape(-1).view(np.int16))

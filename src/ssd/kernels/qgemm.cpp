@@ -26,7 +26,7 @@ constexpr int TILE = 16;   // columns per interleaved tile
 constexpr int BLK = 32;    // activation quantization block (and code block) along K
 
 struct Params {
-  const uint8_t* codes;    // [NT, K/32, 512] (8-bit) or [NT, K/32, 256] (4-bit)
+  const uint8_t* codes;    // [NT, K/32, 512] (8-bit), [NT, K/32, 384] (6-bit) or [NT, K/32, 256] (4-bit)
   const uint16_t* dS;      // [NT, K/SB, 16] fp16 bits
   const uint16_t* dO;      // [NT, K/SB, 16]
   const int8_t* sc;        // [NT, K/SUB, 16] or null (then 1)
@@ -98,19 +98,26 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t SUB, int8_t* xq
 // Code of column c at position k (0..31) of a block, from the interleaved layout:
 // code vector g = k/4 holds 16 columns x 4 consecutive codes; 4-bit codes keep vectors g and g+4
 // in the low and high nibbles of one 64-byte vector.
+// 6-bit codes add a plane of 2 x 64 bytes after the nibbles: byte p of plane h holds bits 4..5 of
+// vectors 4h..4h+3 at bit pairs 0..3.
 inline int code_at(const uint8_t* blk, int bits, int c, int k) {
   int g = k >> 2, p = c * 4 + (k & 3);
   if (bits == 8) return blk[g * 64 + p];
   uint8_t byte = blk[(g & 3) * 64 + p];
-  return g < 4 ? (byte & 0xf) : (byte >> 4);
+  int lo = g < 4 ? (byte & 0xf) : (byte >> 4);
+  if (bits == 4) return lo;
+  int hi = (blk[256 + (g >> 2) * 64 + p] >> (2 * (g & 3))) & 3;
+  return lo | (hi << 4);
 }
+
+inline int64_t block_bytes(int64_t bits) { return bits == 8 ? 512 : bits == 6 ? 384 : 256; }
 
 // ---------------------------------------------------------------- portable path (also AVX2)
 #define SSD_GENERIC_TILE_BODY                                                                    \
   {                                                                                              \
     const int64_t nb = p.K / BLK, nsb = p.K / p.SB, nsub = p.K / p.SUB;                          \
     const int per = (int)(BLK / p.SUB), sublen = (int)p.SUB;                                     \
-    const int64_t cbytes = p.bits == 8 ? 512 : 256;                                              \
+    const int64_t cbytes = block_bytes(p.bits);                                                  \
     float acc[TILE];                                                                             \
     for (int64_t r = 0; r < M; ++r) {                                                            \
       for (int c = 0; c < TILE; ++c) acc[c] = 0.f;                                               \
@@ -178,9 +185,10 @@ SSD_AVX512 inline void dpbusd_bcast(__m512i& acc, __m512i w, const int8_t* x) {
 template <int SUB, int BITS, int R>
 SSD_AVX512 void rows_avx512(const Params& p, const Acts& a, int64_t t, int64_t r0, float* y) {
   constexpr int PER = BLK / SUB, GPS = SUB / 4;       // sub-blocks per block, code vectors per sub-block
-  constexpr int64_t CB = BITS == 8 ? 512 : 256;
+  constexpr int64_t CB = BITS == 8 ? 512 : BITS == 6 ? 384 : 256;
   const int64_t nb = p.K / BLK, nsb = p.K / p.SB, nsub = p.K / SUB;
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  const __m512i hi2 = _mm512_set1_epi8(0x30);
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   __m512 dS = _mm512_setzero_ps(), dO = _mm512_setzero_ps();
@@ -197,6 +205,15 @@ SSD_AVX512 void rows_avx512(const Params& p, const Acts& a, int64_t t, int64_t r
         __m512i v = _mm512_loadu_si512((const void*)(blk + g * 64));
         cv[g] = _mm512_and_si512(v, lo4);
         cv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      }
+      if (BITS == 6) {             // bits 4..5: vector 4h+i sits at bit pair i of plane h
+        for (int h = 0; h < 2; ++h) {
+          __m512i v = _mm512_loadu_si512((const void*)(blk + 256 + h * 64));
+          cv[4 * h + 0] = _mm512_or_si512(cv[4 * h + 0], _mm512_and_si512(_mm512_slli_epi16(v, 4), hi2));
+          cv[4 * h + 1] = _mm512_or_si512(cv[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), hi2));
+          cv[4 * h + 2] = _mm512_or_si512(cv[4 * h + 2], _mm512_and_si512(v, hi2));
+          cv[4 * h + 3] = _mm512_or_si512(cv[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), hi2));
+        }
       }
     }
     const int64_t sbi = (b * BLK) / p.SB;
@@ -262,6 +279,8 @@ using TileFn = void (*)(const Params&, const Acts&, int64_t, int64_t, float*);
 
 TileFn pick(int isa, int64_t SUB, int64_t bits) {
   if (isa == ISA_AVX512) {
+    if (SUB == 32 && bits == 6) return tile_avx512<32, 6>;
+    if (SUB == 16 && bits == 6) return tile_avx512<16, 6>;
     if (SUB == 32 && bits == 4) return tile_avx512<32, 4>;
     if (SUB == 32 && bits == 8) return tile_avx512<32, 8>;
     if (SUB == 16 && bits == 4) return tile_avx512<16, 4>;
@@ -280,13 +299,13 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor dS, torc
                     c10::optional<torch::Tensor> bias, int64_t N, int64_t SB, int64_t SUB, int64_t bits,
                     int64_t sym, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "qgemm: x must be 2-D float32");
-  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qgemm: bits must be 4, 6 or 8");
   TORCH_CHECK(SUB == 16 || SUB == 32, "qgemm: SUB must be 16 or 32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % BLK == 0 && K % SB == 0 && SB % SUB == 0, "qgemm: K=", K, " is not a multiple of the block");
   const int64_t NT = (N + TILE - 1) / TILE;
-  TORCH_CHECK(codes.numel() == NT * (K / BLK) * (bits == 8 ? 512 : 256), "qgemm: codes size mismatch");
+  TORCH_CHECK(codes.numel() == NT * (K / BLK) * block_bytes(bits), "qgemm: codes size mismatch");
   TORCH_CHECK(dS.numel() == NT * (K / SB) * TILE && dO.numel() == dS.numel(), "qgemm: scale size mismatch");
   Params p{codes.data_ptr<uint8_t>(),
            (const uint16_t*)dS.data_ptr(),

@@ -230,8 +230,8 @@ class AsyncEngine:
         try:
             outs = self.engine.step()
         except Exception as e:
-            log.exception("engine step failed: failing every running request")
-            self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+            log.exception("engine step failed: failing the requests it was running")
+            self._fail_running(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
             return True
         now = time.perf_counter()
         batch: dict[asyncio.AbstractEventLoop, list[tuple[RequestGroup, Delta]]] = {}
@@ -262,6 +262,21 @@ class AsyncEngine:
             _deliver(loop, items)
         self._publish_state()
         return bool(outs)
+
+    def _fail_running(self, err: BaseException) -> None:
+        """After a failed step: fail the requests that were in it (running or admitted); requests still
+        waiting for admission and commands still queued go on as usual."""
+        from ssd.engine.sequence import SeqStatus
+
+        batch: dict = {}
+        for rid, track in list(self._tracks.items()):
+            if track.seq.status == SeqStatus.WAITING:
+                continue
+            self.engine.abort(rid)
+            del self._tracks[rid]
+            batch.setdefault(track.loop, []).append((track.group, err))
+        for loop, items in batch.items():
+            _deliver(loop, items)
 
     def _fail_all(self, err: BaseException) -> None:
         batch: dict = {}

@@ -196,6 +196,9 @@ def check_chat(req: ChatRequest) -> None:
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", "messages")
     for i, m in enumerate(req.messages):
+        if m.content is None:
+            raise bad_request(f"messages[{i}] ({m.role!r}) has no 'content'; every message needs text content "
+                              "(a string or a list of text parts)", "messages")
         if isinstance(m.content, list) and any(p.type != "text" or p.text is None for p in m.content):
             raise bad_request(f"messages[{i}]: only text content parts ({{\"type\": \"text\", \"text\": ...}}) "
                               "are supported", "messages")

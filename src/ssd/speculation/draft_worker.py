@@ -388,7 +388,7 @@ class DraftWorker:
                     items.append(ForwardItem(s.seq_id, feed, pos, 1, torch.cat([main_slots, own])))
             # sampling and ranking stay on the CPU (per-request CPU generators); on a GPU this copy is
             # also the step's synchronization point
-            logits = torch.cat(self.runner.forward(items))[:, :self.vocab].float().cpu()
+            logits = _to_width(torch.cat(self.runner.forward(items)), self.vocab).float().cpu()
             rows = torch.tensor(active)
             q = logits_to_probs(logits, temp[rows], top_k[rows], top_p[rows])
             soft = torch.softmax(logits / temp[rows].clamp_min(1e-3).where(temp[rows] > 0, 1.0).unsqueeze(1), -1)
@@ -459,7 +459,7 @@ class DraftWorker:
             return
         for (s, first), lg in zip(idx, self.runner.forward(items)):
             temp = torch.tensor([max(s.params.temperature, 1.0) if s.params.greedy else s.params.temperature])
-            pr = torch.softmax(lg[:, :self.vocab].float().cpu() / temp, dim=-1)
+            pr = torch.softmax(_to_width(lg, self.vocab).float().cpu() / temp, dim=-1)
             for r in range(pr.shape[0]):
                 k = first + r - (len(s.ctx) - 1)
                 if k not in s.dists:
@@ -472,6 +472,14 @@ class EMA:
 
     def update(self, x: float) -> None:
         self.value += self.alpha * (x - self.value)
+
+
+def _to_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits over the target's vocabulary (padding rows dropped, missing ids at -inf), so the
+    worker samples only shared ids and ships q over exactly the target's width."""
+    from ssd.engine.sd import align_vocab
+
+    return align_vocab(logits, vocab)
 
 
 def _chain_seed(seed: int, rnd: int, k: int, t: int) -> int:
@@ -499,12 +507,21 @@ def serve(host: str, port: int, model: str, dtype: str, k: int, threads: int | N
     chan = Channel(peer=0, store=store)
     try:
         loaded = load_model(model, dtype, device, max_model_len + 32, progress=False)
-        runner = ModelRunner(loaded.model, num_blocks, block_size, torch.device(device))
+        # the target's block count plus the pre-draft scratch regions (64 chains of k slots), so the
+        # worker has room for every sequence the target holds
+        scratch = -(-(64 * k + 1) // block_size) + 1
+        runner = ModelRunner(loaded.model, num_blocks + scratch, block_size, torch.device(device))
         worker = DraftWorker(runner, loaded.config.vocab_size, k, fanout_budget, saguaro_c, backup)
     except Exception as e:  # report, then exit: the engine turns it into a clear start-up error
         chan.send(Msg.ERROR, error_message(f"draft worker could not load {model!r}: {e}"))
         raise
     chan.send(Msg.HELLO, [loaded.config.vocab_size, os.getpid(), k])
+    cfg = chan.recv()
+    if cfg.kind == Msg.SHUTDOWN:
+        return
+    if cfg.kind != Msg.CONFIG:
+        raise RuntimeError(f"draft worker expected CONFIG after HELLO, got {cfg.kind.name}")
+    worker.vocab = int(cfg.ints[0])       # ship proposals over the target's vocabulary width
     log.info("draft worker ready (pid %d, %s, cores %s, threads %d)", os.getpid(), device, cores,
              torch.get_num_threads())
     with torch.inference_mode():

@@ -25,6 +25,7 @@ class Msg(enum.IntEnum):
     FREE = 5         # engine -> worker: ints [seq_id, ...]
     SHUTDOWN = 6
     ERROR = 7        # worker -> engine: floats empty, ints = utf-8 bytes of the message
+    CONFIG = 8       # engine -> worker, right after HELLO: ints [target vocab width]
 
 
 @dataclass
