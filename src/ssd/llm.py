@@ -102,7 +102,12 @@ class LLM:
         if device != "cpu":
             log.warning("SSD draft worker on %s: this path has not been run on a GPU by our test suite (the "
                         "same code runs on CPU in it); engine and worker still talk over gloo, not NCCL", device)
-        return DraftClient(str(path), self.draft_dtype, cfg.k, threads=cfg.draft_threads or 1, cores=cores,
+        # a GGUF draft (built-in name or .gguf file) is handed over as such, so the worker loads its
+        # low-bit weights from the GGUF like an in-process draft does
+        from ssd.models.registry import gguf_source
+
+        model_arg = str(cfg.draft) if gguf_source(str(cfg.draft), progress=False) is not None else str(path)
+        return DraftClient(model_arg, self.draft_dtype, cfg.k, threads=cfg.draft_threads or 1, cores=cores,
                            fanout_budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c, backup=cfg.backup,
                            timeout_s=cfg.worker_timeout_s, num_blocks=target_runner.block_manager.num_blocks,
                            block_size=cfg.block_size, max_model_len=self.max_model_len, listen=cfg.draft_host,

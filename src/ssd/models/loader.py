@@ -50,8 +50,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str | 
             raise ValueError("dtype int8 needs a CPU with PyTorch's FBGEMM backend; on CUDA use bfloat16")
         return torch.float16, "int8"
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, gguf, q8_0, float32, bfloat16, float16, "
-                         "int8")
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, gguf, q8_0, q4_1, float32, bfloat16, "
+                         "float16, int8")
     td = DTYPES[dtype]
     packed = "fp16" if device.type == "cpu" and td == torch.float16 else None
     if packed and not fbgemm_fp16_available():

@@ -266,11 +266,10 @@ class AsyncEngine:
     def _fail_running(self, err: BaseException) -> None:
         """After a failed step: fail the requests that were in it (running or admitted); requests still
         waiting for admission and commands still queued go on as usual."""
-        from ssd.engine.sequence import SeqStatus
-
+        running = set(map(id, self.engine.scheduler.running))
         batch: dict = {}
         for rid, track in list(self._tracks.items()):
-            if track.seq.status == SeqStatus.WAITING:
+            if id(track.seq) not in running:
                 continue
             self.engine.abort(rid)
             del self._tracks[rid]
