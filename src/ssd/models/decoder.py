@@ -7,8 +7,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ssd.layers.attention import AttentionMetadata, paged_attention
 from ssd.kernels.gguf_pack import QWeight
+from ssd.layers.attention import AttentionMetadata, paged_attention
 from ssd.layers.linear import Linear
 from ssd.layers.qlinear import QuantEmbedding, QuantLinear
 from ssd.layers.norm import RMSNorm
