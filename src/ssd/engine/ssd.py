@@ -220,6 +220,8 @@ class SSDStep:
             prefill_and_sample(self.target, seqs)
         for s in seqs:
             s.ssd_outcome = (0, s.output_token_ids[-1])
+            s.ssd_detached = False      # (re-)added above: e.g. a detached sequence preempted and recomputed
+            s.ssd_spec_len = 0
 
     def decode(self, seqs: list[Sequence]) -> None:
         from ssd.engine.ar import ARStep
