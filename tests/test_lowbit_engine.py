@@ -205,3 +205,9 @@ def test_ssd_stays_ssd_under_a_full_kv_cache(tiny_pair):
         assert lm.engine.scheduler.num_preemptions > 0
     finally:
         lm.close()
+
+
+def test_auto_takes_the_low_bit_path_only_where_it_is_fast():
+    from ssd.models.loader import fast_low_bit_cpu
+
+    assert fast_low_bit_cpu(2) and not fast_low_bit_cpu(1) and not fast_low_bit_cpu(0)

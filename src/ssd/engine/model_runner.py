@@ -38,13 +38,14 @@ class ModelRunner:
     @staticmethod
     def kv_dtype(model: DecoderModel, device: torch.device | str) -> torch.dtype:
         """fp16 on CPU for the packed (fp16/int8/low-bit) weight paths, read by the C++ attention
-        kernel; the model's dtype otherwise (float32 stays the exact reference path)."""
+        kernel (on CPUs with AVX-512; always for the low-bit path); the model's dtype otherwise
+        (float32 stays the exact reference path)."""
         if torch.device(device).type == "cpu" and model.packed is not None:
             from ssd.kernels.build import KernelBuildError, load_qgemm
 
             try:
-                load_qgemm()
-                return torch.float16
+                if load_qgemm().best_isa() >= 2 or model.packed == "gguf":   # its fast path needs AVX-512
+                    return torch.float16
             except KernelBuildError:
                 pass
         return model.dtype

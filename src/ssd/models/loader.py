@@ -85,6 +85,12 @@ def _gguf_source(spec) -> Path | None:
         return None
 
 
+def fast_low_bit_cpu(best_isa: int) -> bool:
+    """Whether 'auto' takes the low-bit kernels: only where their AVX-512 VNNI path runs (the AVX2 and
+    portable paths are exact but ~20x slower: compiled generic code, measured on an AVX-512 host)."""
+    return best_isa >= 2
+
+
 def _is_linear_weight(name: str) -> bool:
     return name.endswith("_proj.weight") or name == "lm_head.weight"
 
@@ -102,11 +108,15 @@ def _low_bit_getter(spec, dtype: str, device: torch.device, folder_get):
     from ssd.kernels.build import KernelBuildError, load_qgemm
 
     try:
-        load_qgemm()
+        ops = load_qgemm()
     except KernelBuildError as e:
         if dtype != "auto":
             raise
         log.warning("%s; running %s with fp16 weights instead (slower)", e, spec)
+        return None
+    if dtype == "auto" and not fast_low_bit_cpu(ops.best_isa()):
+        log.warning("this CPU lacks AVX-512 VNNI, and the low-bit kernels' fallback paths are far slower than "
+                    "FBGEMM fp16 here: running %s with fp16 weights (dtype='gguf' forces the low-bit path)", spec)
         return None
     from ssd.kernels.gguf_pack import QWeight, quantize_q4_1, quantize_q8_0, to_4bit
 
