@@ -69,7 +69,7 @@ def draft_dtype_for(dtype: str, draft_dtype: str | None, device: str | torch.dev
     if draft_dtype is not None:
         return draft_dtype
     if dtype == "auto" and torch.device(device).type == "cpu":
-        if spec is not None and _gguf_source(spec) is not None:
+        if spec is not None and _gguf_source(spec) is not None and _fast_kernels():
             return "q4_1"
         if fbgemm_fp16_available():
             return "int8"
@@ -83,6 +83,15 @@ def _gguf_source(spec) -> Path | None:
         return gguf_source(str(spec), progress=False)
     except Exception:  # a known model whose parts are missing: resolve_model reports that
         return None
+
+
+def _fast_kernels() -> bool:
+    from ssd.kernels.build import KernelBuildError, load_qgemm
+
+    try:
+        return fast_low_bit_cpu(load_qgemm().best_isa())
+    except KernelBuildError:
+        return False
 
 
 def fast_low_bit_cpu(best_isa: int) -> bool:
