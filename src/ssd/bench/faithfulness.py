@@ -8,7 +8,6 @@ token for token. `ssd bench --faithfulness` runs it for our default CPU path and
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -100,8 +99,6 @@ def faithfulness_markdown(res: dict) -> str:
 
 
 def write_faithfulness_report(res: dict, out_dir: Path, stem: str) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    j, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    j.write_text(json.dumps(res, indent=2) + "\n")
-    md.write_text(faithfulness_markdown(res))
-    return [j, md]
+    from ssd.bench.report import write_json_and_markdown
+
+    return write_json_and_markdown(res, faithfulness_markdown(res), out_dir, stem)

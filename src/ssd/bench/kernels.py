@@ -3,7 +3,6 @@ them for M rows (1 = decode, 5 = a K=4 verify, 16 = a batch of SSD chains), agai
 bandwidth bound, at each thread count. `ssd bench --kernels` runs it."""
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -100,11 +99,9 @@ def _gemm_lines(res: dict) -> list[str]:
 
 
 def write_kernel_report(res: dict, out_dir: Path, stem: str) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    j, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    j.write_text(json.dumps(res, indent=2) + "\n")
-    md.write_text(kernel_markdown(res))
-    return [j, md]
+    from ssd.bench.report import write_json_and_markdown
+
+    return write_json_and_markdown(res, kernel_markdown(res), out_dir, stem)
 
 
 def attention_bench(contexts: list[int], heads: int = 12, kv_heads: int = 2, head_dim: int = 128, layers: int = 28,

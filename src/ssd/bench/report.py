@@ -320,3 +320,13 @@ def write_report(result: dict, out_dir: str | Path, stem: str) -> dict[str, Path
     for k, p in paths.items():
         logger.info("wrote %s: %s", k, p)
     return paths
+
+
+def write_json_and_markdown(result: dict, markdown: str, out_dir: str | Path, stem: str) -> list[Path]:
+    """`<stem>.json` (the result, JSON-safe) and `<stem>.md` in out_dir: for the micro-benchmark reports."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    j, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    j.write_text(json.dumps(_jsonable(result), indent=2) + "\n")
+    md.write_text(markdown)
+    return [j, md]

@@ -15,27 +15,9 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "common.h"
 
-inline float h2f(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {
-      int e = -1;
-      do { man <<= 1; ++e; } while (!(man & 0x400));
-      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+namespace {
 
 struct Job {
   const float* q;          // [T, H, D]
@@ -50,25 +32,6 @@ struct Job {
   float scale;
 };
 
-// exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction + degree-6 polynomial.
-inline float exp_neg_scalar(float x) {
-  x = std::fmax(x, -87.f);
-  float n = std::nearbyint(x * 1.44269504f);
-  float r = std::fma(n, -0.693145751953125f, x);
-  r = std::fma(n, -1.428606765330187e-06f, r);
-  float p = 1.3888889e-3f;
-  p = std::fma(p, r, 8.3333333e-3f);
-  p = std::fma(p, r, 4.1666667e-2f);
-  p = std::fma(p, r, 1.6666667e-1f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  int32_t e = ((int32_t)n + 127) << 23;
-  float s;
-  std::memcpy(&s, &e, 4);
-  return p * s;
-}
-
 void task_portable(const Job& j, int64_t i, int64_t kvh, std::vector<float>& sc) {
   const int64_t G = j.H / j.Hkv, D = j.D, n = j.nkeys[i], t = j.rows[i];
   const int64_t* sl = j.slots + j.seq[i] * j.L;
@@ -79,14 +42,14 @@ void task_portable(const Job& j, int64_t i, int64_t kvh, std::vector<float>& sc)
     for (int64_t k = 0; k < n; ++k) {
       const uint16_t* kp = j.kc + (sl[k] * j.Hkv + kvh) * D;
       float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s = std::fma(q[d], h2f(kp[d]), s);
+      for (int64_t d = 0; d < D; ++d) s = std::fma(q[d], ssd_kernels::half_to_float(kp[d]), s);
       s *= j.scale;
       sc[g * n + k] = s;
       mx = std::fmax(mx, s);
     }
     float sum = 0.f;
     for (int64_t k = 0; k < n; ++k) {
-      float e = exp_neg_scalar(sc[g * n + k] - mx);
+      float e = ssd_kernels::exp_nonpos(sc[g * n + k] - mx);
       sc[g * n + k] = e;
       sum += e;
     }
@@ -95,7 +58,7 @@ void task_portable(const Job& j, int64_t i, int64_t kvh, std::vector<float>& sc)
     for (int64_t k = 0; k < n; ++k) {
       const uint16_t* vp = j.vc + (sl[k] * j.Hkv + kvh) * D;
       const float p = sc[g * n + k];
-      for (int64_t d = 0; d < D; ++d) o[d] = std::fma(p, h2f(vp[d]), o[d]);
+      for (int64_t d = 0; d < D; ++d) o[d] = std::fma(p, ssd_kernels::half_to_float(vp[d]), o[d]);
     }
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
@@ -103,22 +66,6 @@ void task_portable(const Job& j, int64_t i, int64_t kvh, std::vector<float>& sc)
 }
 
 #define SSD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
-
-SSD_AVX512 inline __m512 exp_neg16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.3888889e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 // D a multiple of 16 and at most 256.
 SSD_AVX512 void task_avx512(const Job& j, int64_t i, int64_t kvh, std::vector<float>& sc) {
@@ -144,7 +91,7 @@ SSD_AVX512 void task_avx512(const Job& j, int64_t i, int64_t kvh, std::vector<fl
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
     __m512 sumv = _mm512_setzero_ps();
     for (int64_t k = 0; k < np; k += 16) {
-      __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + k), mx));
+      __m512 e = ssd_kernels::exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(s + k), mx));
       e = _mm512_mask_mov_ps(_mm512_setzero_ps(), (__mmask16)(k + 16 <= n ? 0xffff : ((1u << (n - k)) - 1)), e);
       _mm512_storeu_ps(s + k, e);
       sumv = _mm512_add_ps(sumv, e);

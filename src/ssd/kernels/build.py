@@ -16,6 +16,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp", "fused.cpp")]
+_HEADERS = [Path(__file__).with_name("common.h")]
 _LOCK = threading.Lock()
 _MODULE = None
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
@@ -30,7 +31,7 @@ def _build_dir() -> Path:
 
     from ssd.models.registry import cache_dir
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"qgemm-{key}"
 
 

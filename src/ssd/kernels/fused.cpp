@@ -8,6 +8,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
 
 namespace {
 
@@ -91,45 +95,10 @@ std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor positions, 
 
 namespace {
 
-inline float exp_nonpos(float x) {          // exp(x), x <= 0 (same rule as the attention kernel)
-  x = std::fmax(x, -87.f);
-  float n = std::nearbyint(x * 1.44269504f);
-  float r = std::fma(n, -0.693145751953125f, x);
-  r = std::fma(n, -1.428606765330187e-06f, r);
-  float p = 1.3888889e-3f;
-  p = std::fma(p, r, 8.3333333e-3f);
-  p = std::fma(p, r, 4.1666667e-2f);
-  p = std::fma(p, r, 1.6666667e-1f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  int32_t e = ((int32_t)n + 127) << 23;
-  float sc;
-  std::memcpy(&sc, &e, 4);
-  return p * sc;
-}
-
-__attribute__((target("avx512f,avx512dq,fma")))
-inline __m512 exp_nonpos16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.3888889e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 // silu(g) * u with sigma(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0, e = exp(-|g|).
 void silu_mul_portable(const float* g, const float* u, float* y, int64_t F) {
   for (int64_t i = 0; i < F; ++i) {
-    const float e = exp_nonpos(-std::fabs(g[i]));
+    const float e = ssd_kernels::exp_nonpos(-std::fabs(g[i]));
     const float sig = g[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
     y[i] = (g[i] * sig) * u[i];
   }
@@ -141,7 +110,7 @@ void silu_mul_avx512(const float* g, const float* u, float* y, int64_t F) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (; i + 16 <= F; i += 16) {
     __m512 gv = _mm512_loadu_ps(g + i);
-    __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+    __m512 e = ssd_kernels::exp_nonpos16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
     __m512 den = _mm512_add_ps(one, e);
     __mmask16 pos = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_GE_OQ);
     __m512 num = _mm512_mask_mov_ps(e, pos, one);

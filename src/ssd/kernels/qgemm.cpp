@@ -20,7 +20,11 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
+
 namespace {
+
+using ssd_kernels::half_to_float;
 
 constexpr int TILE = 16;   // columns per interleaved tile
 constexpr int BLK = 32;    // activation quantization block (and code block) along K
@@ -42,28 +46,6 @@ struct Acts {                // activations of M rows, quantized
   const float* xsd;        // [M, K/SUB]  dx * sum of the sub-block's codes
   const int32_t* xs;       // [M, K/SUB]  sum of the sub-block's codes
 };
-
-inline float half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {                       // subnormal: normalize
-      int e = -1;
-      do { man <<= 1; ++e; } while (!(man & 0x400));
-      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // Per row and 32-block: dx = amax/127, q = nearbyint(x * (127/amax)), and per sub-block
 // xsd = dx * sum(q). Shared by every code path, so all of them see the same integers.

@@ -40,6 +40,8 @@ class KernelRows:
     slots: torch.Tensor          # [B, L] slot table (= gather_slots of the whole batch)
     sdpa: "AttentionMetadata | None"   # the other sequences, over their own packed rows
     sdpa_rows: torch.Tensor | None
+    ops: object = None           # the compiled kernels and the code path, looked up once per forward
+    isa: int = -1
 
 
 @dataclass
@@ -113,8 +115,11 @@ class AttentionMetadata:
         sdpa = None
         if big:
             sdpa = cls.build([query_lens[b] for b in big], [context_slots[b] for b in big], device)
+        from ssd.kernels.build import forced_isa, load_qgemm
+
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        kr = KernelRows(t(krow), t(kseq), t(knk), gather.to(device), sdpa, t(big_rows) if big else None)
+        kr = KernelRows(t(krow), t(kseq), t(knk), gather.to(device), sdpa, t(big_rows) if big else None,
+                        load_qgemm(), forced_isa())
         return cls(slot_mapping=torch.cat(slot_parts).to(device), gather_slots=gather.to(device),
                    pad_index=torch.zeros(0, 0, dtype=torch.long), unpad_index=torch.zeros(0, dtype=torch.long),
                    mask=None, kernel=kr)
@@ -140,13 +145,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     kr = meta.kernel
     if kr is None:
         return _sdpa(q, k_cache, v_cache, meta, scale)
-    from ssd.kernels.build import forced_isa, load_qgemm
-
     q = q.contiguous()
     out = torch.empty_like(q)
     if kr.rows.numel():
-        load_qgemm().paged_attention_rows(q, k_cache, v_cache, kr.slots, kr.rows, kr.seq, kr.nkeys, out, scale,
-                                          forced_isa())
+        kr.ops.paged_attention_rows(q, k_cache, v_cache, kr.slots, kr.rows, kr.seq, kr.nkeys, out, scale, kr.isa)
     if kr.sdpa is not None:
         out[kr.sdpa_rows] = _sdpa(q[kr.sdpa_rows], k_cache, v_cache, kr.sdpa, scale)
     return out

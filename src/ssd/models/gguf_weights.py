@@ -36,7 +36,6 @@ class GGUFWeights:
                 continue
             self._by_hf[_hf_name(t.name)] = t
         self._noted: set[str] = set()
-        self.types = sorted({t.tensor_type.name for t in self.reader.tensors})
 
     def _perm(self, gguf_name: str, rows: int) -> np.ndarray | None:
         if self.arch not in _PERMUTED_QK:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: `ssd serve` (see README_SECTION.md beside this file).
+"""OpenAI-compatible HTTP server: `ssd serve` (see the README section "Serving: OpenAI-compatible HTTP server").
 
     from ssd.server import build_app, BackgroundServer
 """
