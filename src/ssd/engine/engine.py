@@ -36,7 +36,10 @@ class LLMEngine:
         from ssd.engine.sd import SDStep
         from ssd.engine.trace import NullTracer
 
+        from ssd.speculation.stats import SpecCounters
+
         self.tracer = tracer or NullTracer()
+        self.spec_counters = SpecCounters()
         self.target, self.draft = target, draft
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -55,7 +58,7 @@ class LLMEngine:
 
             if draft_client is None:
                 raise ValueError("mode 'ssd' needs a draft worker")
-            self.step_impl = SSDStep(target, draft_client, k, self._degrade, self.tracer)
+            self.step_impl = SSDStep(target, draft_client, k, self._degrade, self.tracer, self.spec_counters)
             managers, lookahead = [target.block_manager], k + 1
         else:
             raise ValueError(f"unknown mode {mode!r}; choose ar, sd or ssd")
@@ -114,6 +117,10 @@ class LLMEngine:
         self.step_impl = ARStep(self.target, self.tracer)
         self.scheduler.lookahead = 1
         self.scheduler.on_release = None
+
+    def spec_metrics(self):
+        """A frozen snapshot of the speculation counters (take deltas of two snapshots)."""
+        return self.spec_counters.snapshot()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

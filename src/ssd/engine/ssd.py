@@ -195,10 +195,12 @@ class DraftClient:
 
 
 class SSDStep:
-    def __init__(self, target: ModelRunner, client: DraftClient, k: int, on_failure, tracer):
+    def __init__(self, target: ModelRunner, client: DraftClient, k: int, on_failure, tracer, counters=None):
+        from ssd.speculation.stats import SpecCounters
+
         self.target, self.client, self.k = target, client, k
         self.on_failure = on_failure
-        self.stats = SSDStats()
+        self.stats = counters if counters is not None else SpecCounters()
         self.vocab = target.model.cfg.vocab_size
         self.tracer = tracer
         self.last_verify_s = 0.0
@@ -263,7 +265,7 @@ class SSDStep:
             # a hit or a miss needs a speculation last round (none after prefill or a one-token round) to
             # have been pre-drafted after, and a speculation asked for now
             if getattr(s, "ssd_spec_len", 0) and d:
-                st.record(k_prev, code == 1, len(s.output_token_ids) - b0, self.k)
+                st.record_lookup(k_prev, code == 1, len(s.output_token_ids) - b0)
             s.ssd_spec_len = len(d)
             st.fast_backups += code == 2
             st.partial_hits += code == 3

@@ -1,0 +1,106 @@
+"""Speculation metrics of the engine as snapshots (docs/ARCHITECTURE.md 4).
+
+The speculative step owns one `SpecCounters` and only ever adds to it; consumers (chat, bench,
+server metrics, tests) never read the step: they call `LLMEngine.spec_metrics()` for a frozen
+`SpecSnapshot` and take differences of two snapshots (`after.delta(before)`). The counters belong
+to the engine, so they survive a fall-back to AR after a draft-worker failure.
+
+Cache hits and misses count SSD rounds whose speculation could have come from the speculation
+cache: a round asked for a speculation and the previous round of that sequence was pre-drafted
+after (the first round after a prefill or a one-token round can neither hit nor miss).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+__all__ = ["SpecCounters", "SpecSnapshot"]
+
+
+def _grow(xs: list[int], n: int) -> None:
+    while len(xs) < n:
+        xs.append(0)
+
+
+@dataclass
+class SpecCounters:
+    rounds: int = 0                 # speculative rounds (one target verification each)
+    hits: int = 0                   # SSD: speculation served from a complete pre-drafted chain
+    misses: int = 0
+    fast_backups: int = 0           # SSD misses answered by the prompt-lookup proposal
+    partial_hits: int = 0           # SSD misses answered by finishing a partially pre-drafted chain
+    hits_by_k: list[int] = field(default_factory=list)      # by the previous round's accepted length
+    misses_by_k: list[int] = field(default_factory=list)
+    tokens_on_hit: int = 0          # tokens committed by rounds that hit / missed
+    tokens_on_miss: int = 0
+    wait_s: float = 0.0             # target idle, waiting for the proposer
+    verify_s: float = 0.0           # target busy verifying
+    worker_busy_s: float = 0.0      # SSD: the worker's own busy time (drafting + pre-drafting), cumulative
+    chains_drafted: int = 0         # SSD: pre-drafted chains, cumulative
+    started: float = field(default_factory=time.perf_counter)
+
+    def record_lookup(self, k: int, hit: bool, committed: int) -> None:
+        _grow(self.hits_by_k, k + 1)
+        _grow(self.misses_by_k, k + 1)
+        if hit:
+            self.hits += 1
+            self.hits_by_k[k] += 1
+            self.tokens_on_hit += committed
+        else:
+            self.misses += 1
+            self.misses_by_k[k] += 1
+            self.tokens_on_miss += committed
+
+    def snapshot(self) -> SpecSnapshot:
+        vals = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "started"}
+        vals["hits_by_k"], vals["misses_by_k"] = tuple(self.hits_by_k), tuple(self.misses_by_k)
+        return SpecSnapshot(**vals, wall_s=time.perf_counter() - self.started)
+
+
+@dataclass(frozen=True)
+class SpecSnapshot:
+    rounds: int = 0
+    hits: int = 0
+    misses: int = 0
+    fast_backups: int = 0
+    partial_hits: int = 0
+    hits_by_k: tuple[int, ...] = ()
+    misses_by_k: tuple[int, ...] = ()
+    tokens_on_hit: int = 0
+    tokens_on_miss: int = 0
+    wait_s: float = 0.0
+    verify_s: float = 0.0
+    worker_busy_s: float = 0.0
+    chains_drafted: int = 0
+    wall_s: float = 0.0
+
+    def delta(self, before: SpecSnapshot) -> SpecSnapshot:
+        """What happened between `before` and this snapshot (both of the same engine)."""
+        out = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(before, f.name)
+            if isinstance(a, tuple):
+                b = b + (0,) * (len(a) - len(b))
+                out[f.name] = tuple(x - y for x, y in zip(a, b))
+            else:
+                out[f.name] = a - b
+        return SpecSnapshot(**out)
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else None
+
+    def to_dict(self) -> dict:
+        busy = self.wait_s + self.verify_s        # the target's decode time: verifying or waiting
+        per = lambda x, n: x / n if n else None   # noqa: E731
+        return {"cache_hit_rate": self.cache_hit_rate, "hits": self.hits, "misses": self.misses,
+                "fast_backups": self.fast_backups, "partial_hits": self.partial_hits,
+                "cache_hit_rate_by_k": [per(h, h + m) for h, m in zip(self.hits_by_k, self.misses_by_k)],
+                "tokens_per_round_on_hit": per(self.tokens_on_hit, self.hits),
+                "tokens_per_round_on_miss": per(self.tokens_on_miss, self.misses),
+                "target_idle_fraction": per(self.wait_s, busy),
+                "draft_busy_fraction": min(self.worker_busy_s / busy, 1.0) if busy else None,
+                "ms_per_round": per(1e3 * busy, self.rounds),
+                "verify_ms_per_round": per(1e3 * self.verify_s, self.rounds),
+                "chains_drafted": self.chains_drafted}
