@@ -84,3 +84,21 @@ def tiny_pair(tmp_path_factory):
     make_char_tokenizer(t)
     make_char_tokenizer(d)
     return t, d
+
+
+def perturbed_copy(src, path, scale: float, seed: int):
+    """An HF folder at `path`: the model at `src` with every weight moved by `scale` times its std
+    (a draft close to the target), with the same tokenizer files."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for prm in hf.parameters():
+            prm.add_(scale * prm.std() * torch.randn(prm.shape, generator=g))
+    hf.save_pretrained(str(path))
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, path)
+    return path

@@ -7,42 +7,39 @@ import torch
 
 from ssd.engine.model_runner import ModelRunner
 from ssd.models.loader import load_model
-from ssd.speculation.draft_worker import DraftWorker, SeqParams
+from ssd.speculation.worker import messages as m
+from ssd.speculation.worker.worker import DraftWorker, chain_regions, scratch_blocks
 
 
 class LocalDraftClient:
     def __init__(self, draft_path, k: int, predraft: bool = True, tamper=None, stop_after_steps: int | None = None,
-                 **worker_kw):
+                 num_blocks: int = 512, max_num_seqs: int = 16, target_vocab: int | None = None, **worker_kw):
         lm = load_model(str(draft_path), "float32", "cpu", 512, progress=False)
-        self.worker = DraftWorker(ModelRunner(lm.model, 512, 16, torch.device("cpu")), lm.config.vocab_size, k,
-                                  **worker_kw)
+        regions = chain_regions(max_num_seqs, 8)
+        runner = ModelRunner(lm.model, num_blocks + scratch_blocks(regions, k, 16) + 1, 16, torch.device("cpu"))
+        self.worker = DraftWorker(runner, target_vocab or lm.config.vocab_size, k, num_regions=regions, **worker_kw)
         self.predraft = predraft
         self.tamper = tamper
         self.stop_after_steps = stop_after_steps   # simulate the engine asking mid pre-draft
+        self.pid = None
 
-    def add(self, seq, tokens=None) -> None:
-        p = seq.params
-        self.worker.add(seq.seq_id, seq.all_token_ids if tokens is None else tokens,
-                        SeqParams(p.temperature, p.top_k, p.top_p, p.seed if p.seed is not None else 0))
+    def add(self, msg: m.Add) -> None:
+        self.worker.add(msg)
 
     def free(self, ids) -> None:
         for i in ids:
             self.worker.free(i)
 
-    def speculate(self, reqs, vocab, verify_s=0.0):
+    def speculate(self, requests, verify_s=0.0) -> m.Speculation:
         self.worker.observe_verify(verify_s)
         if self.predraft:
             polls = iter(range(10**9))
             stop = self.stop_after_steps
             self.worker.predraft(poll=None if stop is None else (lambda: next(polls) >= stop))
-        replies = self.worker.speculate([tuple(r) for r in reqs])
+        replies = self.worker.speculate(list(requests))
         if self.tamper:
             replies = [self.tamper(self.worker, r) for r in replies]
-        codes = [{"cache": 1, "neural": 0, "fast": 2, "none": 0, "partial": 3}[r.backup] for r in replies]
-        spans = [({1: "answer", 2: "predraft", 3: "prefill"}[k], a, b) for k, a, b in self.worker.spans]
-        self.worker.spans.clear()
-        return ([r.tokens for r in replies], [r.probs for r in replies], codes, self.worker.busy_s,
-                self.worker.stats["chains_drafted"], spans)
+        return m.Speculation(replies, self.worker.chains_drafted, self.worker.busy_s, self.worker.take_spans())
 
     def abandon(self) -> None:
         pass
@@ -58,6 +55,9 @@ def local_ssd(monkeypatch, target, draft, k=3, llm_kw=None, **kw):
     client = {}
 
     def start(self, runner):
+        kw.setdefault("num_blocks", runner.block_manager.num_blocks)
+        kw.setdefault("max_num_seqs", self.config.max_num_seqs)
+        kw.setdefault("target_vocab", self.target.config.vocab_size)
         client["c"] = LocalDraftClient(draft, k, **kw)
         return client["c"]
 

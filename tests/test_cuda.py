@@ -56,7 +56,7 @@ def test_ssd_worker_on_cuda_equals_ar(tiny_pair, ar_cpu, target_device):
               dtype="float32", progress=False, kv_cache_gb=0.05, worker_timeout_s=120)
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_cpu
-        stats = llm.engine.step_impl.stats
+        stats = llm.engine.spec_metrics()
         assert llm.engine.degraded_from is None and stats.hits > 0     # self-draft: the cache serves rounds
         sampled = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=20, seed=3, ignore_eos=True))
         assert all(len(o.token_ids) == 20 for o in sampled)

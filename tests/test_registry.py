@@ -214,3 +214,14 @@ def test_prepare_and_list_models(cache, tmp_path, fake_model, monkeypatch):
     assert registry.resolve_model("fake-tiny") == folder
     assert len(calls) == 1
     assert {m.name: m for m in registry.list_models()}["fake-tiny"].cached
+
+
+def test_a_built_in_target_brings_its_built_in_draft():
+    from ssd.config import EngineConfig
+
+    for mode in ("sd", "ssd"):
+        assert EngineConfig(model="qwen2.5-coder-1.5b", mode=mode).draft == "qwen2.5-coder-0.5b"
+    assert EngineConfig(model="qwen2.5-coder-1.5b", mode="sd", draft="/my/draft").draft == "/my/draft"
+    assert EngineConfig(model="qwen2.5-coder-1.5b").draft is None and EngineConfig(model="qwen2.5-coder-1.5b").mode == "ar"
+    with pytest.raises(ValueError, match="no built-in draft partner"):
+        EngineConfig(model="smollm2-135m", mode="sd")

@@ -20,7 +20,7 @@ import torch
 from test_verify import Round, outcomes_from_verify
 
 from ssd.speculation.backup import ngram_proposal, onehot_probs
-from ssd.speculation.cache import candidate_outcomes, ranked_tokens
+from ssd.speculation.worker.cache import candidate_outcomes, ranked_tokens
 from ssd.speculation.fanout import geometric_fanout
 from ssd.speculation.saguaro import saguaro_proposal, top_mask, top_ranks
 

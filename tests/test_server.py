@@ -403,7 +403,7 @@ def test_ssd_server_greedy_equals_generate_and_reports_the_cache(tiny_pair, ref)
             wait_idle(srv)
             text = httpx.get(srv.url + "/metrics").text
             assert "ssd_draft_worker_up 1.0" in text and 'ssd_engine_info{k="3",mode="ssd"' in text
-            stats = llm.engine.step_impl.stats
+            stats = llm.engine.spec_metrics()
             k_labels = range(len(stats.hits_by_k))
             assert sum(metric(srv, "ssd_spec_cache_hits_total", k=str(j)) for j in k_labels) == stats.hits
             assert sum(metric(srv, "ssd_spec_cache_misses_total", k=str(j)) for j in k_labels) == stats.misses
@@ -510,3 +510,37 @@ def test_a_failed_step_fails_only_the_requests_it_ran(tiny_pair):
         assert ra.status_code >= 500 and "injected failure" in ra.text
         assert rb.status_code == 200, rb.text
         assert rb.json()["usage"]["completion_tokens"] == 4
+
+
+def test_ssd_server_under_a_small_kv_cache_stays_ssd(tiny_pair, ref):
+    """Concurrent requests through the official client with a target KV cache so small that the scheduler
+    preempts: every answer equals AR, every response was served in SSD, and the draft worker (a real
+    process) never reports itself dead: `ssd_draft_worker_up` stays 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target, draft = tiny_pair
+    prompts = ["hello world " * 3, "abc abc abc", "x y z w", "the quick brown fox"]
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.0001,
+              worker_timeout_s=20)
+    try:
+        assert llm.engine.target.block_manager.num_blocks < 16
+        with BackgroundServer(build_app(llm)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            name = client.models.list().data[0].id
+
+            def ask(prompt):
+                return client.completions.create(model=name, prompt=prompt, max_tokens=40, temperature=0,
+                                                 extra_body=NO_EOS)
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                answers = list(pool.map(ask, prompts))
+            for prompt, r in zip(prompts, answers):
+                assert r.choices[0].text == ref.generate(prompt, greedy(40))[0].text
+                assert r.model_extra["ssd"]["mode"] == "ssd" and "degraded_from" not in r.model_extra["ssd"]
+            wait_idle(srv)
+            assert metric(srv, "ssd_preemptions_total") > 0
+            assert metric(srv, "ssd_draft_worker_up") == 1 and llm.engine.degraded_from is None
+            assert sum(metric(srv, "ssd_spec_cache_hits_total", k=str(j)) for j in range(4)) + \
+                sum(metric(srv, "ssd_spec_cache_misses_total", k=str(j)) for j in range(4)) > 0
+    finally:
+        llm.close()

@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 
 from ssd import LLM, SamplingParams
 
+from conftest import perturbed_copy
 from ssd_local import local_ssd
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -34,7 +35,7 @@ def test_ssd_greedy_equals_ar(monkeypatch, tiny_pair, ar_ref, draft, predraft, b
     assert [o.token_ids for o in outs] == ar_ref
     single = llm.generate(PROMPTS[2], GREEDY)[0]          # batch of 1
     assert single.token_ids == ar_ref[2]
-    stats = llm.engine.step_impl.stats
+    stats = llm.engine.spec_metrics()
     if predraft and draft == "self":
         assert stats.hits > stats.misses                  # the cache serves most rounds
     if not predraft:
@@ -52,7 +53,7 @@ def test_ssd_spec_max_batch_runs_one_token_rounds_then_catches_up(monkeypatch, t
     outs = llm.generate(PROMPTS, GREEDY)                       # 5 sequences > 2: one token per round
     assert [o.token_ids for o in outs] == ar_ref
     assert all(o.metrics.target_forwards == GREEDY.max_tokens - 1 for o in outs)
-    stats = llm.engine.step_impl.stats
+    stats = llm.engine.spec_metrics()
     assert stats.hits == stats.misses == 0 and not asked       # the worker was never asked
     assert not client.worker.seqs                              # and holds nothing
     # 3 sequences, one short: one-token rounds until it ends, then the worker catches up on the
@@ -62,7 +63,7 @@ def test_ssd_spec_max_batch_runs_one_token_rounds_then_catches_up(monkeypatch, t
     assert mixed[0].token_ids == ar_ref[0][:6]
     assert [o.token_ids for o in mixed[1:]] == ar_ref[1:3]
     assert all(o.metrics.target_forwards < 5 + (GREEDY.max_tokens - 6) // 2 for o in mixed[1:])
-    assert stats.hits > 0 and set(asked) == {2}
+    assert llm.engine.spec_metrics().hits > 0 and set(asked) == {2}
 
 
 def test_real_worker_process_and_kill_falls_back_to_ar(tiny_pair, ar_ref):
@@ -116,7 +117,7 @@ def test_hung_worker_times_out_and_every_request_finishes_exactly(tiny_pair, ar_
 def test_worker_start_failure_is_a_clear_error(tiny_pair, tmp_path):
     import shutil
 
-    from ssd.engine.ssd import DraftWorkerError
+    from ssd.speculation.worker.client import DraftWorkerError
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_pair[1], broken)
@@ -127,32 +128,34 @@ def test_worker_start_failure_is_a_clear_error(tiny_pair, tmp_path):
             worker_timeout_s=30)
 
 
-@pytest.mark.parametrize("worker_k", [3, 2])
-def test_remote_worker_started_by_hand(tiny_pair, ar_ref, worker_k):
+@pytest.mark.parametrize("k,override", [(3, False), (2, True)])
+def test_remote_worker_started_by_hand(tiny_pair, ar_ref, k, override):
     """`ssd draft-worker --connect HOST:PORT` on 'another host' (a separate process here) and the engine's
-    draft_host: same tokens as AR; a worker started with another k is a clear error, not a silent slowdown."""
+    draft_host: same tokens as AR. The worker takes K, the model and the rest from the engine (the same
+    command serves k=3 and k=2); --model loads the draft from another path on the worker's host."""
+    import shutil
     import subprocess
     import sys
 
-    from ssd.engine.ssd import DraftWorkerError, _child_env
-    from ssd.speculation.transport import free_port
+    from ssd.speculation.worker.client import _child_env
+    from ssd.speculation.worker.transport import free_port
 
     target, draft = tiny_pair
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "draft-worker", "--connect", f"127.0.0.1:{port}",
-                             "--model", str(draft), "--dtype", "float32", "--k", str(worker_k), "--timeout", "30"],
-                            env=_child_env(), stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "ssd.cli", "draft-worker", "--connect", f"127.0.0.1:{port}", "--timeout", "30"]
+    engine_draft = str(draft)
+    if override:      # the engine names a path that exists only on its host; the worker has its own copy
+        engine_draft = str(draft) + "-engine-side"
+        shutil.copytree(draft, engine_draft, dirs_exist_ok=True)
+        cmd += ["--model", str(draft)]
+    proc = subprocess.Popen(cmd, env=_child_env(), stderr=subprocess.DEVNULL)
     try:
-        kw = dict(draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+        kw = dict(draft=engine_draft, mode="ssd", k=k, dtype="float32", progress=False, kv_cache_gb=0.05,
                   worker_timeout_s=30, draft_host=f"127.0.0.1:{port}")
-        if worker_k != 3:
-            with pytest.raises(DraftWorkerError, match="start the worker with --k 3"):
-                LLM(str(target), **kw)
-            return
         llm = LLM(str(target), **kw)
         try:
             assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref
-            assert llm.engine.step_impl.stats.rounds > 0 and llm.engine.degraded_from is None
+            assert llm.engine.spec_metrics().rounds > 0 and llm.engine.degraded_from is None
         finally:
             llm.close()
         assert proc.wait(30) == 0                          # the engine's shutdown ends the worker
@@ -209,20 +212,7 @@ def second_token_pvalue(llm, prompt, expected, n=3000, temperature=1.0):
 @pytest.fixture(scope="module")
 def near_draft(tiny_pair, tmp_path_factory):
     """A draft close to the target (perturbed copy): many partial acceptances, where a wrong residual shows."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("near-draft")
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_pair[0]), dtype=torch.float32)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for prm in hf.parameters():
-            prm.add_(0.5 * prm.std() * torch.randn(prm.shape, generator=g))
-    hf.save_pretrained(str(path))
-    for f in tiny_pair[0].glob("tokenizer*"):
-        shutil.copy(f, path)
-    return path
+    return perturbed_copy(tiny_pair[0], tmp_path_factory.mktemp("near-draft"), 0.5, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -267,45 +257,13 @@ def test_ssd_saguaro_matches_target_and_q_instead_of_qprime_is_caught(monkeypatc
     assert second_token_pvalue(llm, prompt, exp) < 1e-5
 
 
-def test_backup_choice_flips_at_the_critical_batch_size(tiny_pair):
+def test_worker_calibrates_its_draft_step_at_start(tiny_pair):
     from ssd_local import LocalDraftClient
-
-    w = LocalDraftClient(tiny_pair[1], k=4).worker          # backup="auto"
-    w.hit_rate.value, w.verify_s, w.jit_s.value = 0.6, 0.10, 0.04   # b* = 4 for these numbers
-    w.tokens_per_round["cache"].value = w.tokens_per_round["neural"].value = 3.5
-    w.tokens_per_round["fast"].value = 1.3
-    b_star = w.critical_batch()
-    assert b_star == 4
-    assert w.choose_backup(1) == "neural" and w.choose_backup(b_star) == "fast"
-    w.jit_s.value = 0.30                                     # slower just-in-time drafting: flips earlier
-    assert w.critical_batch() < b_star
-    w.backup = "neural"                                      # the override wins
-    assert w.choose_backup(10_000) == "neural"
-
-
-def test_predraft_budget_sizes_itself_to_the_verify_time(tiny_pair):
-    from ssd_local import LocalDraftClient
-
-    from ssd.speculation.fanout import budget_from_timings
 
     w = LocalDraftClient(tiny_pair[1], k=3).worker
-    assert w.step_s > 0 and 0 <= w.row_cost <= 1          # calibrated at start
-    w.step_s, w.row_cost, w.verify_s = 0.010, 0.25, 0.100
-    # K=3 steps over R rows after one catch-up step: 0.01 + 3 * 0.01 * (1 + 0.25 (R - 1)) <= 0.09
-    # -> R <= 7.67: 7 chains for one sequence, 3 each for two
-    assert w._timed_budget(1) == 7 == budget_from_timings(0.1, 0.01, 3, 1, row_cost=0.25, overhead_s=0.01)
-    assert w._timed_budget(2) == 3
-    w.verify_s = 0.02                                       # not even one chain fits: still try one
-    assert w._timed_budget(1) == 1
-    w.verify_s = 0.1
-    w._observe_predraft(1, 7, completed=True, took_s=2 * (0.01 + 3 * 0.01 * 2.5))   # twice the model
-    assert w.slowdown.value == pytest.approx(1.2)           # EMA, alpha 0.2
-    assert w._timed_budget(1) == 5                          # 0.012 + 3*0.012*(1+0.25(R-1)) <= 0.09
-    before = w.slowdown.value
-    w._observe_predraft(1, 5, completed=False, took_s=0.01)  # cut short: slower than allowed, not faster
-    assert w.slowdown.value > before
-    w.fixed_budget = 2
-    assert w._timed_budget(1) == 2
+    assert w.budget.step_s > 0 and 0 <= w.budget.row_cost <= 1     # the policy's cost model, measured
+    fixed = LocalDraftClient(tiny_pair[1], k=3, fanout_budget=2).worker
+    assert fixed.budget.step_s == 0 and fixed.budget.budget(1, cap=64) == 2     # a fixed budget needs no timing
 
 
 def test_trace_has_target_and_draft_spans(monkeypatch, tiny_pair, tmp_path):
@@ -332,7 +290,7 @@ def test_partial_chains_are_resumed_exactly(monkeypatch, tiny_pair, ar_ref):
     """Pre-drafting cut short after 2 of 3 steps: the miss path finishes the partial chain."""
     llm, client = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[0], stop_after_steps=2, backup="neural")
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref
-    assert llm.engine.step_impl.stats.partial_hits > 0 and llm.engine.step_impl.stats.hits == 0
+    assert llm.engine.spec_metrics().partial_hits > 0 and llm.engine.spec_metrics().hits == 0
 
 
 @pytest.mark.parametrize("how", [dict(predraft=False), dict(stop_after_steps=1), dict(stop_after_steps=2)])
@@ -342,7 +300,7 @@ def test_seeded_ssd_output_does_not_depend_on_predraft_timing(monkeypatch, tiny_
     p = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in range(4)]
     full, _ = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[0], backup="neural", saguaro_c=0.5, fanout_budget=3)
     ref = [o.token_ids for o in full.generate(PROMPTS[:4], p)]
-    assert full.engine.step_impl.stats.hits > 0
+    assert full.engine.spec_metrics().hits > 0
     other, _ = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[0], backup="neural", saguaro_c=0.5, fanout_budget=3,
                          **how)
     assert [o.token_ids for o in other.generate(PROMPTS[:4], p)] == ref
@@ -366,3 +324,59 @@ def test_ssd_cpu_split_default_threads(monkeypatch):
     cfg = EngineConfig(model="t", draft="d", mode="ssd")
     LLM._ssd_cpu_split(cfg)                                   # one core: nothing to split
     assert cfg.threads is None
+
+
+def test_worker_out_of_kv_room_is_a_per_sequence_miss_not_a_dead_worker(monkeypatch, tiny_pair, ar_ref):
+    """A worker whose KV pool cannot hold every sequence drops the ones it has no room for and says
+    NO_ROOM: those decode without a draft that round and are handed back later; the engine stays in
+    SSD, exact, and says so in its metrics (before the fix the worker raised and SSD turned itself off)."""
+    target, _ = tiny_pair
+    llm, client = local_ssd(monkeypatch, target, target, num_blocks=6, backup="neural")
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_ref
+    snap = llm.engine.spec_metrics()
+    assert llm.engine.degraded_from is None and llm.engine.mode == "ssd"
+    assert snap.no_room > 0 and client.worker.stats["no_room"] > 0
+    assert snap.hits > 0                       # the sequences it does hold still speculate
+    assert not client.worker.seqs              # every sequence released at the end
+    bm = client.worker.bm
+    assert bm.num_free_blocks == bm.num_blocks - len(bm.block_table(-1))     # only the chain pool is pinned
+
+
+def test_chain_pool_is_sized_for_the_whole_batch(tiny_pair):
+    """80 sequences with a budget of 2 chains each: every sequence gets its chains pre-drafted (a fixed
+    pool of 64 regions left most of a big batch without any)."""
+    from ssd_local import LocalDraftClient
+
+    from ssd.speculation.worker import messages as m
+
+    n, k = 80, 3
+    w = LocalDraftClient(tiny_pair[1], k=k, max_num_seqs=n, fanout_budget=2, num_blocks=4 * n).worker
+    assert w.cache.num_regions >= 2 * n
+    for i in range(n):
+        w.add(m.Add(i, i, 0.0, 0, 1.0, [1 + i % 50, 2, 3, 4, 5]))
+    replies = w.speculate([m.Request(i, 0, 7, k) for i in range(n)])       # first round: drafted just in time
+    assert all(len(r.tokens) == k and r.source == m.Source.NEURAL for r in replies)
+    w.predraft()
+    rounds = {i: w.seqs[i].round for i in range(n)}
+    assert all(len(w.cache.outcomes(i, rounds[i])) == 2 for i in range(n))
+    hit = w.speculate([m.Request(i, k, w.cache.outcomes(i, rounds[i])[-1][1], k) for i in range(n)])
+    assert all(r.hit for r in hit)     # the all-accepted outcome with the top bonus was cached for everyone
+
+
+def test_an_idle_engine_keeps_its_worker(tiny_pair, ar_ref):
+    """An engine silent for longer than worker_timeout_s (a server waiting for requests) still has its
+    worker afterwards: the worker waits for messages without a time limit, only the engine's waits for
+    answers are bounded."""
+    import time
+
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+              worker_timeout_s=3)
+    try:
+        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == ar_ref[0]
+        time.sleep(5)
+        assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == ar_ref[1]
+        assert llm.engine.degraded_from is None and llm._client.proc.poll() is None
+    finally:
+        llm.close()

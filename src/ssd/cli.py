@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
@@ -13,7 +12,9 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_TARGET, help="target: built-in name, HF folder, GGUF file or hub id "
                    "(default %(default)s)")
-    g.add_argument("--draft", default=default_draft, help="draft model for --mode sd (default: none)")
+    g.add_argument("--draft", default=default_draft,
+                   help="draft model for --mode sd/ssd (default: a built-in target's own draft, e.g. "
+                        "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
     g.add_argument("--mode", choices=["ar", "sd", "ssd"], default=None,
                    help="ar, sd (draft then verify) or ssd (draft worker on its own core/device pre-drafts while "
                    "the target verifies); default: sd with a draft, else ar")
@@ -118,8 +119,7 @@ def cmd_generate(args) -> int:
     llm.close()
     if args.metrics and final is not None:
         extra = ""
-        stats = getattr(llm.engine.step_impl, "stats", None)      # SSD: this request's rounds
-        hit = stats.to_dict().get("cache_hit_rate") if hasattr(stats, "to_dict") else None
+        hit = llm.engine.spec_metrics().cache_hit_rate     # SSD: this request's rounds (one request ran)
         if hit is not None:
             extra = f" | cache hit rate {hit:.2f}"
         print(f"[{llm.config.mode}] {format_metrics(final.metrics)}{extra} | finish: {final.finish_reason}",
@@ -156,6 +156,7 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
     interactive = stdin is sys.stdin and stdin.isatty()
     system_msgs = [{"role": "system", "content": system}] if system else []
     messages = list(system_msgs)
+    seen = llm.engine.spec_metrics()        # speculation counters after the previous answer
     err.write("ssd chat: /exit or Ctrl-D quits, /reset clears the history, Ctrl-C stops an answer\n")
     while True:
         try:
@@ -208,12 +209,9 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
             # SSD: this answer's share of the speculation cache's hits/misses (the SSD step's totals minus
             # those seen after the previous answer; one request runs at a time). n/a outside SSD, after a
             # worker failure, or when no round could hit (the first round after prefill never can).
-            hit, stats = None, getattr(llm.engine.step_impl, "stats", None)
-            if stats is not None and hasattr(stats, "hits"):
-                seen = getattr(stats, "_chat_seen", (0, 0))
-                stats._chat_seen = (stats.hits, stats.misses)
-                asked = stats.hits + stats.misses - sum(seen)
-                hit = (stats.hits - seen[0]) / asked if asked > 0 else None
+            now = llm.engine.spec_metrics()
+            hit = now.delta(seen).cache_hit_rate
+            seen = now
             mode = llm.config.mode
             if getattr(llm.engine, "degraded_from", None):
                 mode = f"{llm.engine.degraded_from} -> {llm.engine.mode}: draft worker failed"
@@ -276,7 +274,7 @@ def add_serve_parser(sub) -> None:
 
 
 def _draft_worker(argv: list[str]) -> int:
-    from ssd.speculation.draft_worker import main as worker_main
+    from ssd.speculation.worker.serve import main as worker_main
 
     worker_main(argv)
     return 0

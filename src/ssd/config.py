@@ -45,13 +45,21 @@ class EngineConfig:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.mode != "ar" and not self.draft:
-            raise ValueError(f"mode {self.mode!r} needs a draft model: pass draft=... (e.g. qwen2.5-coder-0.5b)")
+            from ssd.models.registry import default_draft
+
+            self.draft = default_draft(self.model)      # a built-in target knows its built-in draft
+            if not self.draft:
+                raise ValueError(f"mode {self.mode!r} needs a draft model and {self.model!r} has no built-in "
+                                 "draft partner: pass draft=... (CLI: --draft), e.g. qwen2.5-coder-0.5b")
         if self.k < 1 or self.k > 16:
             raise ValueError(f"k must be in [1, 16], got {self.k}")
         if self.block_size < 1 or self.max_model_len < 2 or self.kv_cache_gb <= 0:
             raise ValueError("block_size >= 1, max_model_len >= 2 and kv_cache_gb > 0 are required")
         if self.backup not in ("auto", "neural", "fast"):
             raise ValueError(f"backup must be 'auto', 'neural' or 'fast', got {self.backup!r}")
+        if self.fanout_budget is not None and self.fanout_budget < 1:
+            raise ValueError(f"fanout_budget must be >= 1 chains per sequence, or None to size it from measured "
+                             f"timings; got {self.fanout_budget}")
         if not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
         for name in ("device", "draft_device"):

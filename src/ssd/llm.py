@@ -58,10 +58,8 @@ class LLM:
             eos.append(self.tokenizer.eos_token_id)
         self.engine = LLMEngine(target_runner, self.tokenizer, eos, self.max_model_len, cfg.max_num_seqs,
                                 cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
-                                Tracer() if cfg.trace else None)
+                                Tracer() if cfg.trace else None, cfg.spec_max_batch)
         self.engine.prefill_threads = cfg.prefill_threads
-        if cfg.mode in ("sd", "ssd"):
-            self.engine.step_impl.max_spec_batch = cfg.spec_max_batch
         self._client = draft_client
 
     @staticmethod
@@ -87,7 +85,8 @@ class LLM:
         import json
         import os
 
-        from ssd.engine.ssd import DraftClient
+        from ssd.speculation.worker.client import DraftClient
+        from ssd.speculation.worker.messages import WorkerConfig
         from ssd.models.loader import load_tokenizer
         from ssd.models.registry import resolve_model
 
@@ -107,11 +106,11 @@ class LLM:
         from ssd.models.registry import gguf_source
 
         model_arg = str(cfg.draft) if gguf_source(str(cfg.draft), progress=False) is not None else str(path)
-        return DraftClient(model_arg, self.draft_dtype, cfg.k, threads=cfg.draft_threads or 1, cores=cores,
-                           fanout_budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c, backup=cfg.backup,
-                           timeout_s=cfg.worker_timeout_s, num_blocks=target_runner.block_manager.num_blocks,
-                           block_size=cfg.block_size, max_model_len=self.max_model_len, listen=cfg.draft_host,
-                           device=device, target_vocab=self.target.config.vocab_size)
+        wcfg = WorkerConfig(model_arg, self.draft_dtype, cfg.k, self.target.config.vocab_size,
+                            target_runner.block_manager.num_blocks, cfg.block_size, self.max_model_len,
+                            cfg.max_num_seqs, cfg.fanout_budget, cfg.saguaro_c, cfg.backup)
+        return DraftClient(wcfg, threads=cfg.draft_threads or 1, cores=cores, device=device,
+                           timeout_s=cfg.worker_timeout_s, listen=cfg.draft_host)
 
     def write_trace(self, path) -> None:
         """Write the target/draft timeline as Chrome/Perfetto trace JSON (needs LLM(..., trace=True))."""

@@ -621,15 +621,8 @@ def bench_and_report(cfg: BenchConfig) -> tuple[dict, dict[str, Path]]:
     return result, write_bench_report(result, cfg.out_dir, cfg.stem or cfg.default_stem())
 
 
-def _ssd_counts(llm) -> dict | None:
-    stats = getattr(llm.engine.step_impl, "stats", None)
-    if stats is None or not hasattr(stats, "hits"):
-        return None
-    return {"hits": stats.hits, "misses": stats.misses, "hit_tokens": stats.tokens_on_hit,
-            "miss_tokens": stats.tokens_on_miss, "wait_s": stats.wait_s, "verify_s": stats.verify_s,
-            "rounds": stats.rounds, "partial_hits": stats.partial_hits, "fast_backups": stats.fast_backups,
-            "worker_busy_s": stats.worker_busy_s, "chains_drafted": stats.chains_drafted,
-            "hits_by_k": list(stats.hits_by_k), "misses_by_k": list(stats.misses_by_k)}
+def _ssd_counts(llm):
+    return llm.engine.spec_metrics() if llm.engine.mode == "ssd" or llm.engine.degraded_from == "ssd" else None
 
 
 def _ssd_run_stats(llm, before: dict | None) -> dict:
@@ -637,20 +630,4 @@ def _ssd_run_stats(llm, before: dict | None) -> dict:
     after = _ssd_counts(llm)
     if after is None or before is None:
         return {"degraded_from": llm.engine.degraded_from}
-    d = {k: after[k] - before[k] for k in after if not k.endswith("_by_k")}
-    n = len(after["hits_by_k"])
-    hk = [after["hits_by_k"][i] - (before["hits_by_k"][i] if i < len(before["hits_by_k"]) else 0) for i in range(n)]
-    mk = [after["misses_by_k"][i] - (before["misses_by_k"][i] if i < len(before["misses_by_k"]) else 0)
-          for i in range(n)]
-    asked = d["hits"] + d["misses"]
-    busy = d["wait_s"] + d["verify_s"]         # decode time of the target: verifying or waiting
-    return {"cache_hit_rate": d["hits"] / asked if asked else None,
-            "cache_hit_rate_by_k": [h / (h + m) if h + m else None for h, m in zip(hk, mk)],
-            "tokens_per_round_on_hit": d["hit_tokens"] / d["hits"] if d["hits"] else None,
-            "tokens_per_round_on_miss": d["miss_tokens"] / d["misses"] if d["misses"] else None,
-            "target_idle_fraction": d["wait_s"] / busy if busy else None,
-            "draft_busy_fraction": min(d["worker_busy_s"] / busy, 1.0) if busy else None,
-            "ms_per_round": 1e3 * busy / d["rounds"] if d["rounds"] else None,
-            "verify_ms_per_round": 1e3 * d["verify_s"] / d["rounds"] if d["rounds"] else None,
-            "partial_hits": d["partial_hits"], "fast_backups": d["fast_backups"],
-            "chains_drafted": d["chains_drafted"], "degraded_from": llm.engine.degraded_from}
+    return {**after.delta(before).to_dict(), "degraded_from": llm.engine.degraded_from}

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ssd.engine.engine import prefill_and_sample
 from ssd.engine.model_runner import ForwardItem, ModelRunner
 from ssd.engine.sampling import sample_tokens
 from ssd.engine.sequence import Sequence
+from ssd.engine.step import prefill_and_sample
 
 
 class ARStep:
@@ -31,3 +31,6 @@ class ARStep:
                 done = len(seq) - 1          # everything but the new token is cached
                 bm.rollback(seq.seq_id, bm.num_tokens(seq.seq_id) - done)   # unused reserved slots
                 bm.commit(seq.seq_id, seq.all_token_ids[:done])
+
+    def release(self, seq: Sequence) -> None:
+        pass

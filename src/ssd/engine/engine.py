@@ -1,5 +1,5 @@
 """LLMEngine: requests in, token deltas out. One step = one prefill batch or one decode round of
-the configured mode (AR, SD)."""
+the configured mode (AR, SD, SSD)."""
 from __future__ import annotations
 
 import itertools
@@ -8,11 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.engine.model_runner import ForwardItem, ModelRunner
-from ssd.engine.sampling import sample_tokens
+from ssd.engine.ar import ARStep
+from ssd.engine.model_runner import ModelRunner
 from ssd.engine.scheduler import Scheduler
 from ssd.engine.sequence import Sequence
+from ssd.engine.step import DecodeStep
+from ssd.engine.trace import NullTracer
 from ssd.sampling_params import SamplingParams
+from ssd.speculation.local_proposer import DraftProposer
+from ssd.speculation.stats import SpecCounters
+from ssd.speculation.step import SpeculativeStep
+from ssd.speculation.worker.proposer import WorkerProposer
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +35,12 @@ class StepOutput:
 
 
 class LLMEngine:
+    """The engine loop. `step_impl` is a `DecodeStep` (engine/step.py): AR, or the speculative step
+    (speculation/step.py) with SD's in-process draft or SSD's draft worker as its proposer."""
+
     def __init__(self, target: ModelRunner, tokenizer, eos_token_ids: list[int], max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, draft: ModelRunner | None = None,
-                 mode: str = "ar", k: int = 4, draft_client=None, tracer=None):
-        from ssd.engine.ar import ARStep
-        from ssd.engine.sd import SDStep
-        from ssd.engine.trace import NullTracer
-
-        from ssd.speculation.stats import SpecCounters
-
+                 mode: str = "ar", k: int = 4, draft_client=None, tracer=None, spec_max_batch: int | None = None):
         self.tracer = tracer or NullTracer()
         self.spec_counters = SpecCounters()
         self.target, self.draft = target, draft
@@ -45,28 +48,28 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.mode = mode
+        managers, lookahead = [target.block_manager], 1
         if mode == "ar":
-            self.step_impl = ARStep(target, self.tracer)
-            managers, lookahead = [target.block_manager], 1
-        elif mode == "sd":
-            if draft is None:
-                raise ValueError("mode 'sd' needs a draft model (draft=...)")
-            self.step_impl = SDStep(target, draft, k, self.tracer)
-            managers, lookahead = [target.block_manager, draft.block_manager], k + 1
-        elif mode == "ssd":
-            from ssd.engine.ssd import SSDStep
-
-            if draft_client is None:
-                raise ValueError("mode 'ssd' needs a draft worker")
-            self.step_impl = SSDStep(target, draft_client, k, self._degrade, self.tracer, self.spec_counters)
-            managers, lookahead = [target.block_manager], k + 1
+            self.step_impl: DecodeStep = ARStep(target, self.tracer)
+        elif mode in ("sd", "ssd"):
+            if mode == "sd":
+                if draft is None:
+                    raise ValueError("mode 'sd' needs a draft model (draft=...)")
+                proposer = DraftProposer(draft, target.model.cfg.vocab_size, self.tracer)
+                managers = [target.block_manager, draft.block_manager]
+            else:
+                if draft_client is None:
+                    raise ValueError("mode 'ssd' needs a draft worker")
+                proposer = WorkerProposer(draft_client)
+            self.step_impl = SpeculativeStep(target, proposer, k, self.spec_counters, self.tracer, self._degrade)
+            self.step_impl.max_spec_batch = spec_max_batch
+            lookahead = k + 1
         else:
             raise ValueError(f"unknown mode {mode!r}; choose ar, sd or ssd")
         self.degraded_from: str | None = None
         self.prefill_threads: int | None = None     # CPU threads for prefill steps (None: unchanged)
         self.scheduler = Scheduler(managers, max_num_seqs, max_num_batched_tokens, lookahead)
-        if hasattr(self.step_impl, "release"):
-            self.scheduler.on_release = self.step_impl.release
+        self.scheduler.on_release = self.step_impl.release
         self._ids = itertools.count()
         self.seqs: dict[str, Sequence] = {}
 
@@ -106,8 +109,6 @@ class LLMEngine:
 
     def _degrade(self, error: BaseException) -> None:
         """The draft worker failed: finish everything with exact local AR decoding."""
-        from ssd.engine.ar import ARStep
-
         if self.degraded_from is not None:
             return
         log.error("draft worker failed (%s: %s); continuing every request with local autoregressive "
@@ -116,7 +117,7 @@ class LLMEngine:
         self.mode = "ar"
         self.step_impl = ARStep(self.target, self.tracer)
         self.scheduler.lookahead = 1
-        self.scheduler.on_release = None
+        self.scheduler.on_release = self.step_impl.release
 
     def spec_metrics(self):
         """A frozen snapshot of the speculation counters (take deltas of two snapshots)."""
@@ -153,21 +154,3 @@ class LLMEngine:
                 outs.append(StepOutput(seq, text, toks))
         return outs
 
-
-def prefill(runner: ModelRunner, seqs: list[Sequence], which: int, num_logits: int = 1) -> list[torch.Tensor]:
-    """Feed every sequence's uncached tokens (cache `which` of seq.num_cached) through `runner`."""
-    items = []
-    for seq in seqs:
-        toks = seq.all_token_ids
-        c = seq.num_cached[which]
-        items.append(ForwardItem(seq.seq_id, toks[c:], c, num_logits))
-    out = runner.forward(items)
-    for seq in seqs:
-        runner.block_manager.commit(seq.seq_id, seq.all_token_ids)
-    return out
-
-
-def prefill_and_sample(target: ModelRunner, seqs: list[Sequence]) -> None:
-    logits = torch.cat(prefill(target, seqs, 0))
-    for seq, tok in zip(seqs, sample_tokens(logits, seqs)):
-        seq.append_tokens([tok])

@@ -51,6 +51,18 @@ class SpecStats:
             self.accepted_by_pos[j] += other.accepted_by_pos[j]
 
 
+@dataclass
+class SpecState:
+    """What the speculative step keeps for one sequence between rounds (docs/ARCHITECTURE.md 4)."""
+
+    draft_cached: int = 0           # SD: tokens whose KV the in-process draft holds
+    accepted: int = 0               # SSD: the last round's verification outcome (accepted, bonus),
+    bonus: int | None = None        # reported to the worker with the next request
+    num_draft: int = 0              # SSD: tokens the last round's speculation had (0: no speculation)
+    detached: bool = False          # SSD: the worker does not hold this sequence (re-added before drafting)
+    cache_hits: int = 0             # SSD: rounds served from the speculation cache
+
+
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, eos_token_ids: list[int], max_model_len: int, prompt: str | None = None):
@@ -70,6 +82,8 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.spec = SpecStats()
+        self.spec_state = SpecState()
+        self.num_cached: list[int] = []     # per KV cache (target, draft): prompt tokens found prefix-cached
         self.pending_text = ""      # text delta produced since the caller last collected it
         self.pending_tokens: list[int] = []
 

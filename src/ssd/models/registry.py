@@ -44,6 +44,13 @@ class KnownModel:
     filename: str | None  # a single GGUF file inside the (only) module; None for split parts
     sha256: str
     size: int
+    draft: str | None = None  # a target's built-in draft partner (same tokenizer), used when none is given
+
+
+def default_draft(spec: str) -> str | None:
+    """The built-in draft partner of a built-in target name, else None."""
+    m = KNOWN_MODELS.get(str(spec))
+    return m.draft if m is not None else None
 
 
 @dataclass
@@ -74,6 +81,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         filename=None,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size=1_117_320_768,
+        draft="qwen2.5-coder-0.5b",
     ),
     "smollm2-135m": KnownModel(
         name="smollm2-135m",

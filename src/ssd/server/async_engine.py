@@ -114,8 +114,8 @@ class AsyncEngine:
         self._managers = {"target": self.engine.target.block_manager}
         if self.engine.draft is not None:
             self._managers["draft"] = self.engine.draft.block_manager
-        # SSD: keep the SSD step's counters (a degrade to AR replaces engine.step_impl, not these counters).
-        self._ssd_stats = getattr(self.engine.step_impl, "stats", None) if self.engine.mode == "ssd" else None
+        self._ssd = self.engine.mode == "ssd"
+        self._spec_seen = self.engine.spec_metrics()      # speculation counters already exported
         self._thread = threading.Thread(target=self._run, name="ssd-engine", daemon=True)
 
     # ---- control --------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class AsyncEngine:
                 del self._tracks[seq.request_id]
                 delta.spec = copy.deepcopy(seq.spec)
                 delta.metrics = RequestMetrics.of(seq)
-                delta.ssd_hits = getattr(seq, "ssd_hits", 0)
+                delta.ssd_hits = seq.spec_state.cache_hits
                 delta.degraded_from = self.engine.degraded_from
                 m.finished.labels(reason=seq.finish_reason or "unknown").inc()
                 m.e2e.observe(now - track.arrival)
@@ -299,8 +299,11 @@ class AsyncEngine:
             self.metrics.preemptions.inc(sched.num_preemptions - self._preemptions)
             self._preemptions = sched.num_preemptions
         self.metrics.engine_state(sched, self._managers)
-        if self._ssd_stats is not None or self.engine.degraded_from == "ssd":
-            self.metrics.ssd_state(self._ssd_stats, self.engine.mode == "ssd" and self.engine.degraded_from is None)
+        if self._ssd:
+            now = self.engine.spec_metrics()
+            up = self.engine.mode == "ssd" and self.engine.degraded_from is None
+            self.metrics.ssd_state(now.delta(self._spec_seen), up)
+            self._spec_seen = now
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:

@@ -63,16 +63,18 @@ class ServerMetrics:
                                     "(0-based) within a round", ["position"], registry=r)
         self.accepted_by_pos = Counter("ssd_spec_accepted_tokens_by_position", "Draft tokens accepted at "
                                        "position (0-based) within a round", ["position"], registry=r)
-        # SSD (speculation cache + draft worker): fed from the SSD step's counters by `ssd_state`; they stay
+        # SSD (speculation cache + draft worker): fed from the engine's speculation snapshots by `ssd_state`; they stay
         # at 0 in AR and SD mode.
         self.cache_hits = Counter("ssd_spec_cache_hits", "SSD speculation-cache hits by accepted length k",
                                   ["k"], registry=r)
         self.cache_misses = Counter("ssd_spec_cache_misses", "SSD speculation-cache misses by accepted length k",
                                     ["k"], registry=r)
+        self.worker_no_room = Counter("ssd_spec_worker_no_room", "SSD: rounds in which the draft worker had no KV "
+                                      "room for a sequence (it decoded without a draft; the worker takes it back "
+                                      "later)", registry=r)
         self.draft_worker_up = Gauge("ssd_draft_worker_up", "1 while the SSD draft worker answers, else 0 "
                                      "(0 after a worker failure sent the engine back to AR; always 0 outside "
                                      "SSD mode)", registry=r)
-        self._cache_seen: tuple[list[int], list[int]] = ([], [])     # hits_by_k, misses_by_k already counted
         if mode == "ssd":
             self.draft_worker_up.set(1)
         if mode == "ssd" and k:
@@ -115,20 +117,16 @@ class ServerMetrics:
             if a > a0:
                 self.accepted_by_pos.labels(position=str(j)).inc(a - a0)
 
-    def ssd_state(self, stats, worker_up: bool) -> None:
-        """SSD: count the speculation cache's hits/misses since the last call (`stats` is the SSD step's
-        SSDStats: hits_by_k / misses_by_k only grow) and set the worker gauge."""
+    def ssd_state(self, delta, worker_up: bool) -> None:
+        """SSD: count the speculation cache's hits/misses of `delta` (a SpecSnapshot difference since the
+        last call) and set the worker gauge."""
         self.draft_worker_up.set(1 if worker_up else 0)
-        if stats is None:
-            return
-        for counter, now, seen in ((self.cache_hits, stats.hits_by_k, self._cache_seen[0]),
-                                   (self.cache_misses, stats.misses_by_k, self._cache_seen[1])):
-            for j, n in enumerate(list(now)):
-                if j >= len(seen):
-                    seen.append(0)
-                if n > seen[j]:
-                    counter.labels(k=str(j)).inc(n - seen[j])
-                    seen[j] = n
+        if delta.no_room > 0:
+            self.worker_no_room.inc(delta.no_room)
+        for counter, by_k in ((self.cache_hits, delta.hits_by_k), (self.cache_misses, delta.misses_by_k)):
+            for j, n in enumerate(by_k):
+                if n > 0:
+                    counter.labels(k=str(j)).inc(n)
 
     def engine_state(self, scheduler, managers: dict) -> None:
         self.running.set(len(scheduler.running))

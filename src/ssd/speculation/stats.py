@@ -29,6 +29,7 @@ class SpecCounters:
     misses: int = 0
     fast_backups: int = 0           # SSD misses answered by the prompt-lookup proposal
     partial_hits: int = 0           # SSD misses answered by finishing a partially pre-drafted chain
+    no_room: int = 0                # SSD: sequences the worker had no KV room for (decoded without a draft)
     hits_by_k: list[int] = field(default_factory=list)      # by the previous round's accepted length
     misses_by_k: list[int] = field(default_factory=list)
     tokens_on_hit: int = 0          # tokens committed by rounds that hit / missed
@@ -38,6 +39,11 @@ class SpecCounters:
     worker_busy_s: float = 0.0      # SSD: the worker's own busy time (drafting + pre-drafting), cumulative
     chains_drafted: int = 0         # SSD: pre-drafted chains, cumulative
     started: float = field(default_factory=time.perf_counter)
+
+    def cover(self, k: int) -> None:
+        """Report every accepted length 0..K, zeros included."""
+        _grow(self.hits_by_k, k + 1)
+        _grow(self.misses_by_k, k + 1)
 
     def record_lookup(self, k: int, hit: bool, committed: int) -> None:
         _grow(self.hits_by_k, k + 1)
@@ -64,6 +70,7 @@ class SpecSnapshot:
     misses: int = 0
     fast_backups: int = 0
     partial_hits: int = 0
+    no_room: int = 0
     hits_by_k: tuple[int, ...] = ()
     misses_by_k: tuple[int, ...] = ()
     tokens_on_hit: int = 0
@@ -96,7 +103,7 @@ class SpecSnapshot:
         per = lambda x, n: x / n if n else None   # noqa: E731
         return {"cache_hit_rate": self.cache_hit_rate, "hits": self.hits, "misses": self.misses,
                 "fast_backups": self.fast_backups, "partial_hits": self.partial_hits,
-                "cache_hit_rate_by_k": [per(h, h + m) for h, m in zip(self.hits_by_k, self.misses_by_k)],
+                "no_room": self.no_room, "cache_hit_rate_by_k": [per(h, h + m) for h, m in zip(self.hits_by_k, self.misses_by_k)],
                 "tokens_per_round_on_hit": per(self.tokens_on_hit, self.hits),
                 "tokens_per_round_on_miss": per(self.tokens_on_miss, self.misses),
                 "target_idle_fraction": per(self.wait_s, busy),

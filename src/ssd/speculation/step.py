@@ -1,0 +1,106 @@
+"""The speculative decoding step, shared by SD and SSD (docs/ARCHITECTURE.md 4):
+
+    propose -> verify -> commit -> observe
+
+The proposer (in-process draft for SD, the draft worker for SSD) drafts up to K tokens per
+sequence; one target forward scores them; exact rejection sampling (verify.py) keeps the target's
+distribution whatever was proposed; the proposer then learns what was accepted. A sequence with
+nothing proposed (no room, last token, a batch over spec_max_batch) gets one target-sampled token.
+
+If the proposer fails (the SSD worker died or stopped answering), the step logs nothing itself: it
+calls `on_failure` (the engine falls back to local autoregressive decoding, logged) and finishes
+the round without a draft.
+"""
+from __future__ import annotations
+
+import time
+
+from ssd.engine.model_runner import ModelRunner
+from ssd.engine.sequence import Sequence
+from ssd.engine.step import prefill_and_sample
+from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
+from ssd.speculation.stats import SpecCounters
+from ssd.speculation.verifier import verify_and_commit
+from ssd.speculation.worker.messages import Source
+
+_MISS = (Source.NEURAL, Source.PARTIAL, Source.FAST)
+
+
+class SpeculativeStep:
+    def __init__(self, target: ModelRunner, proposer: Proposer, k: int, counters: SpecCounters, tracer,
+                 on_failure=None):
+        if k < 1:
+            raise ValueError(f"k (speculation length) must be >= 1, got {k}")
+        self.target, self.proposer, self.k = target, proposer, k
+        self.counters, self.tracer = counters, tracer
+        if proposer.name == "worker":
+            counters.cover(k)
+        self.on_failure = on_failure
+        self.max_spec_batch: int | None = None   # larger decode batches run rounds without a speculation
+        self.last_verify_s = 0.0
+
+    def _failed(self, error: ProposerFailed) -> None:
+        if self.on_failure is None:
+            raise error
+        self.on_failure(error)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        try:
+            self.proposer.prefill(seqs)
+        except ProposerFailed as e:
+            self._failed(e)
+        with self.tracer.span("target", "prefill"):
+            prefill_and_sample(self.target, seqs)
+        self.proposer.after_prefill(seqs)
+
+    def decode(self, seqs: list[Sequence]) -> None:
+        num_draft = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
+        t0 = time.perf_counter()
+        proposal = None
+        try:
+            if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch:
+                self.proposer.skip(seqs)
+            else:
+                proposal = self.proposer.propose(seqs, num_draft, self.last_verify_s)
+        except ProposerFailed as e:
+            self._failed(e)
+        if proposal is None:
+            proposal = Proposal([[] for _ in seqs], [None] * len(seqs))
+        t1 = time.perf_counter()
+        if self.proposer.name == "worker":
+            self.tracer.add("target", "wait", t0, t1)
+        for name, start, end in proposal.spans:
+            self.tracer.add("draft", name, start, end)
+        lens = [len(s) for s in seqs]
+        before = [len(s.output_token_ids) for s in seqs]
+        with self.tracer.span("target", "verify"):
+            accepted = verify_and_commit(self.target, seqs, proposal.tokens, proposal.probs)
+        t2 = time.perf_counter()
+        self.last_verify_s = t2 - t1
+        self._count(seqs, proposal, before, t1 - t0, t2 - t1)
+        self.proposer.observe(seqs, lens, accepted, proposal)
+
+    def _count(self, seqs: list[Sequence], proposal: Proposal, before: list[int], wait_s: float,
+               verify_s: float) -> None:
+        c = self.counters
+        c.rounds += 1
+        c.wait_s += wait_s
+        c.verify_s += verify_s
+        if proposal.worker_busy_s is not None:
+            c.worker_busy_s, c.chains_drafted = proposal.worker_busy_s, proposal.chains_drafted
+        if proposal.sources is None:
+            return
+        for s, src, b0, d in zip(seqs, proposal.sources, before, proposal.tokens):
+            c.fast_backups += src == Source.FAST
+            c.partial_hits += src == Source.PARTIAL
+            c.no_room += src == Source.NO_ROOM
+            # a lookup needs a speculation last round (pre-drafted after) and one asked for now
+            st = s.spec_state
+            if st.num_draft and d and (src == Source.CACHE or src in _MISS):
+                c.record_lookup(st.accepted, src == Source.CACHE, len(s.output_token_ids) - b0)
+
+    def release(self, seq: Sequence) -> None:
+        try:
+            self.proposer.release(seq)
+        except ProposerFailed as e:
+            self._failed(e)

@@ -1,0 +1,3 @@
+from ssd.speculation.worker.serve import main
+
+main()

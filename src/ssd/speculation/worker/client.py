@@ -1,0 +1,135 @@
+"""The engine's side of the link to a draft worker: start it (or wait for one started by hand on
+another host), hand it its whole configuration, then send typed messages (docs/ARCHITECTURE.md 3)."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from ssd.speculation.worker import messages as m
+from ssd.speculation.worker.transport import Channel, free_port
+
+log = logging.getLogger(__name__)
+
+
+class DraftWorkerError(RuntimeError):
+    pass
+
+
+class DraftClient:
+    def __init__(self, config: m.WorkerConfig, *, threads: int | None = None, cores: list[int] | None = None,
+                 device: str = "cpu", timeout_s: float = 60.0, listen: str | None = None):
+        self.config = config
+        self.proc = None
+        self.abandoned = False
+        self.chan: Channel | None = None
+        host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
+        if listen is None:
+            cmd = [sys.executable, "-m", "ssd.speculation.worker", "--connect", f"{host}:{port}",
+                   "--device", device, "--timeout", str(timeout_s)]
+            if threads:
+                cmd += ["--threads", str(threads)]
+            if cores:
+                cmd += ["--cores", ",".join(map(str, cores))]
+            self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
+        self._join(host, port, timeout_s)
+        self.chan.vocab = config.target_vocab
+        self.chan.send(config)
+        msg = self._recv_start_up(host, port)
+        if isinstance(msg, m.Error):
+            self.close()
+            raise DraftWorkerError(msg.text)
+        if not isinstance(msg, m.Hello):
+            self.close()
+            raise DraftWorkerError(f"the draft worker at {host}:{port} answered {type(msg).__name__}, expected Hello")
+        self.vocab, self.pid = msg.vocab, msg.pid
+        log.info("draft worker %d is up (%s)", self.pid, "local process" if self.proc else f"remote, {host}:{port}")
+
+    def _join(self, host: str, port: int, timeout_s: float) -> None:
+        """Rendezvous without hanging on a worker that died before joining."""
+        err: list[BaseException] = []
+
+        def join():
+            try:
+                self.chan = Channel(host, port, 0, timeout_s)
+            except BaseException as e:  # noqa: BLE001 - reported to the caller thread
+                err.append(e)
+
+        t = threading.Thread(target=join, daemon=True)
+        t.start()
+        deadline = time.monotonic() + timeout_s
+        while t.is_alive():
+            t.join(0.1)
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self.close()
+                raise DraftWorkerError(f"no draft worker joined {host}:{port} within {timeout_s:.0f}s")
+        if err:
+            self.close()
+            raise DraftWorkerError(f"could not set up the engine/worker link on {host}:{port}: {err[0]}")
+
+    def _recv_start_up(self, host: str, port: int):
+        try:
+            return self.chan.recv()
+        except Exception as e:
+            self._check_alive()
+            self.close()
+            raise DraftWorkerError(f"the draft worker at {host}:{port} did not report ready: {e}") from e
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            tail = self.proc.stderr.read().decode(errors="replace")[-2000:]
+            raise DraftWorkerError(f"the draft worker exited during start-up (code {self.proc.returncode}):\n{tail}")
+
+    def add(self, msg: m.Add) -> None:
+        self.chan.send(msg)
+
+    def free(self, seq_ids: list[int]) -> None:
+        if seq_ids:
+            self.chan.send(m.Free(list(seq_ids)))
+
+    def speculate(self, requests: list[m.Request], verify_s: float = 0.0) -> m.Speculation:
+        self.chan.send(m.Speculate(requests, verify_s))
+        msg = self.chan.recv()
+        if not isinstance(msg, m.Speculation):
+            raise DraftWorkerError(f"unexpected reply {type(msg).__name__}")
+        return msg
+
+    def abandon(self) -> None:
+        """Give up on the worker: kill it if it is our process; no more messages are sent to it."""
+        self.abandoned = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.chan is not None and not self.abandoned and not self.chan.closed:
+            try:
+                self.chan.send(m.Shutdown())
+                if self.proc is not None:
+                    self.proc.wait(2)
+            except Exception:       # noqa: BLE001 - the worker may be gone already, or slow to exit
+                pass
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.chan is not None:
+            self.chan.close()
+
+
+def _split(hostport: str) -> tuple[str, int]:
+    host, port = hostport.rsplit(":", 1)
+    return host, int(port)
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
