@@ -55,7 +55,7 @@ def local_ssd(monkeypatch, target, draft, k=3, llm_kw=None, **kw):
     client = {}
 
     def start(self, runner):
-        kw.setdefault("num_blocks", runner.block_manager.num_blocks)
+        kw.setdefault("num_blocks", min(runner.block_manager.num_blocks, 512))   # tiny models: plenty, and cheap
         kw.setdefault("max_num_seqs", self.config.max_num_seqs)
         kw.setdefault("target_vocab", self.target.config.vocab_size)
         client["c"] = LocalDraftClient(draft, k, **kw)

@@ -316,3 +316,41 @@ def test_ssd_shipping_plain_q_on_cache_hits_is_caught(monkeypatch, tiny_pair, cl
     print(f"SSD control plain q on hits: {info}; {dict(seen)}")
     _check_ssd_reach(seen)
     assert p < P_FAIL, f"{info}; {dict(seen)}"
+
+
+# ---------------------------------------------------------------- auto (the chooser switches every round)
+
+
+@pytest.mark.parametrize("bug", [None, "residual_is_p"])
+def test_auto_switching_draft_lengths_every_round_keeps_the_joint_law(monkeypatch, tiny_pair, close_draft,
+                                                                      target_law, bug):
+    """mode="auto" with its chooser replaced by a pseudo-random one: every round each sequence gets 0..K
+    draft tokens (0 = a plain target step), so one batch mixes AR rows and speculative rows of every
+    length and each sequence switches many times. The joint law of the first M tokens is the target's;
+    the classic bug (resampling from p after a rejection) makes the same test fail."""
+    import hashlib
+
+    from ssd.speculation.chooser import Chooser
+
+    def plan(self, seq_ids, caps):
+        self.rounds += 1
+        out = [int(hashlib.blake2b(f"{i}:{self.rounds}".encode(), digest_size=2).hexdigest(), 16) % (c + 1)
+               for i, c in zip(seq_ids, caps)]
+        self.predicted_tokens, self.predicted_s = float(len(out)), 1.0
+        return out
+
+    monkeypatch.setattr(Chooser, "plan", plan)
+    if bug == "residual_is_p":
+        monkeypatch.setattr(V, "residual", lambda p, q: p)
+    before = torch.get_num_threads()
+    llm = LLM(str(tiny_pair[0]), draft=str(close_draft), mode="auto", k=SD_K, dtype="float32", progress=False,
+              max_num_seqs=256, threads=1)
+    torch.set_num_threads(before)
+    p, info = joint_pvalue(target_law, first_m(llm, SD_N // 2, M))
+    rows = llm.engine.spec_metrics().rows_by_num_draft
+    print(f"auto {bug}: {info}; rows by draft length {rows}")
+    assert len(rows) == SD_K + 1 and min(rows) > 0.1 * sum(rows)      # every length, plain rows included
+    if bug is None:
+        assert p > P_PASS, info
+    else:
+        assert p < P_FAIL, info

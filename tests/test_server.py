@@ -165,8 +165,10 @@ def test_echo(client, ref):
 def test_openai_client_sees_400s(client):
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=10_000)
-    with pytest.raises(openai.BadRequestError, match="logprobs.*not supported yet"):
-        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=1)
+    with pytest.raises(openai.BadRequestError, match=r"'logprobs' must be in \[0, 20\]"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="max_draft must be an integer >= 0"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"max_draft": -1})
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
 
@@ -215,7 +217,8 @@ def test_bad_chat_requests(http):
                           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
                           ({"messages": [{"role": "user"}]}, "messages[0] ('user') has no 'content'"),
                           ({"messages": [*CHAT, {"role": "assistant", "content": None}]}, "has no 'content'"),
-                          ({"messages": CHAT, "logprobs": True}, "not supported yet"),
+                          ({"messages": CHAT, "top_logprobs": 2}, "needs \"logprobs\": true"),
+                          ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "must be in [0, 20]"),
                           ({"messages": CHAT, "tools": [{"type": "function"}]}, "not supported")]:
         r = post(body)
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
@@ -237,7 +240,7 @@ TOKENS = st.integers(1, 3) | st.text(max_size=4) | st.floats() | st.integers(max
     st.integers(), max_size=2)
 FIELDS = ["model", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options", "logprobs",
           "echo", "presence_penalty", "logit_bias", "ignore_eos", "stop_token_ids", "best_of", "user", "suffix",
-          "top_logprobs", "response_format", "tools"]
+          "top_logprobs", "response_format", "tools", "speculate", "max_draft"]
 SMALL_N = st.integers(1, 4) | JUNK
 COMMON = {f: JUNK for f in FIELDS} | {"n": SMALL_N, "max_completion_tokens": TOKENS}
 MESSAGE = st.fixed_dictionaries({}, optional={"role": st.sampled_from(["user", "system", "assistant"]) | JUNK,

@@ -15,9 +15,10 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--draft", default=default_draft,
                    help="draft model for --mode sd/ssd (default: a built-in target's own draft, e.g. "
                         "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
-    g.add_argument("--mode", choices=["ar", "sd", "ssd"], default=None,
-                   help="ar, sd (draft then verify) or ssd (draft worker on its own core/device pre-drafts while "
-                   "the target verifies); default: sd with a draft, else ar")
+    g.add_argument("--mode", choices=["ar", "sd", "ssd", "auto"], default=None,
+                   help="ar, sd (draft then verify), ssd (draft worker on its own core/device pre-drafts while "
+                   "the target verifies) or auto (in-process draft; picks each request's draft length, 0 = a "
+                   "plain target step, every round from measured costs); default: sd with a draft, else ar")
     g.add_argument("--k", type=int, default=4, help="draft tokens per speculation round (default %(default)s)")
     g.add_argument("--spec-max-batch", type=int, default=None,
                    help="sd/ssd: speculate only while at most this many sequences decode together; larger "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("ar", "sd", "ssd")
+MODES = ("ar", "sd", "ssd", "auto")
 
 
 @dataclass

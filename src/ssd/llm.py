@@ -213,7 +213,7 @@ class LLM:
                         continue
                     done = out.seq.finished
                     yield StreamChunk(rid, out.new_text, out.new_token_ids, done, out.seq.finish_reason,
-                                      self._output(out.seq) if done else None)
+                                      self._output(out.seq) if done else None, out.new_logprobs)
         finally:
             if not done:
                 self.engine.abort(rid)
@@ -232,4 +232,5 @@ class LLM:
     @staticmethod
     def _output(seq) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.detok.text,
-                             list(seq.output_token_ids), seq.finish_reason, RequestMetrics.of(seq), seq.spec)
+                             list(seq.output_token_ids), seq.finish_reason, RequestMetrics.of(seq), seq.spec,
+                             None if seq.output_logprobs is None else list(seq.output_logprobs))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ssd.engine.logprobs import TokenLogprob
 from ssd.engine.sequence import Sequence, SpecStats
 
 
@@ -53,6 +54,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     spec: SpecStats = field(default_factory=SpecStats, repr=False)
+    logprobs: list[TokenLogprob] | None = None   # per generated token, when SamplingParams.logprobs was set
 
 
 @dataclass
@@ -63,6 +65,7 @@ class StreamChunk:
     finished: bool
     finish_reason: str | None
     output: RequestOutput | None = None   # the full result on the final chunk
+    logprobs: list[TokenLogprob] | None = None   # per token of this chunk, when asked for
 
 
 def aggregate(outputs: list[RequestOutput], wall_s: float | None = None) -> dict:

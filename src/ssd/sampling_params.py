@@ -4,12 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class SamplingParams:
     """How to turn a request's logits into tokens.
 
     temperature 0 means greedy (argmax). top_k <= 0 and top_p == 1 disable those filters.
-    A seed makes the request reproducible regardless of its batch mates.
+    A seed makes the request reproducible regardless of its batch mates. logprobs, speculate and
+    max_draft: see README "Python API".
     """
 
     temperature: float = 1.0
@@ -20,6 +24,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None       # None: none; n: each token's logprob and the n most likely (n <= 20)
+    speculate: bool = True            # False: this request gets no draft tokens (AR rounds) in SD/SSD/auto
+    max_draft: int | None = None      # at most this many draft tokens per round for this request (<= K)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +61,14 @@ class SamplingParams:
             raise bad(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if not isinstance(self.speculate, bool):
+            raise bad(f"speculate must be true or false, got {self.speculate!r}")
+        if self.max_draft is not None and (not isinstance(self.max_draft, int) or isinstance(self.max_draft, bool)
+                                           or self.max_draft < 0):
+            raise bad(f"max_draft must be an integer >= 0 or None, got {self.max_draft!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

@@ -512,6 +512,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                 run, outputs = _run_engine(llm, cfg, dataset, ids, f"{label} {dataset}")
                 if mode == "ssd":
                     run.update(_ssd_run_stats(llm, ssd_before))
+                elif mode == "auto":     # the chooser's decisions and predicted vs measured tokens/s
+                    run.update({k2: v for k2, v in llm.engine.spec_metrics().delta(ssd_before).to_dict().items()
+                                if k2.startswith("auto_")})
                 run["label"] = label
                 run["load_s"] = load_s
                 tokens = [o.token_ids for o in outputs]
@@ -622,7 +625,9 @@ def bench_and_report(cfg: BenchConfig) -> tuple[dict, dict[str, Path]]:
 
 
 def _ssd_counts(llm):
-    return llm.engine.spec_metrics() if llm.engine.mode == "ssd" or llm.engine.degraded_from == "ssd" else None
+    if llm.engine.mode in ("ssd", "auto") or llm.engine.degraded_from == "ssd":
+        return llm.engine.spec_metrics()
+    return None
 
 
 def _ssd_run_stats(llm, before: dict | None) -> dict:

@@ -6,7 +6,8 @@ import torch
 from ssd.engine.model_runner import ForwardItem, ModelRunner
 from ssd.engine.sampling import sample_tokens
 from ssd.engine.sequence import Sequence
-from ssd.engine.step import prefill_and_sample
+from ssd.engine.logprobs import wanted
+from ssd.engine.step import autoregressive_logprobs, prefill_and_sample
 
 
 class ARStep:
@@ -24,9 +25,11 @@ class ARStep:
         with self.tracer.span("target", "decode"):
             logits = torch.cat(self.target.forward(items))
         bm = self.target.block_manager
-        for seq, tok in zip(seqs, sample_tokens(logits, seqs)):
+        toks = sample_tokens(logits, seqs)
+        lps = autoregressive_logprobs(logits, seqs, toks) if wanted(seqs) else [None] * len(seqs)
+        for seq, tok, lp in zip(seqs, toks, lps):
             seq.spec.record(0, 0)
-            seq.append_tokens([tok])
+            seq.append_tokens([tok], lp)
             if not seq.finished:
                 done = len(seq) - 1          # everything but the new token is cached
                 bm.rollback(seq.seq_id, bm.num_tokens(seq.seq_id) - done)   # unused reserved slots

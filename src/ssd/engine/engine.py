@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from ssd.engine.sequence import Sequence
 from ssd.engine.step import DecodeStep
 from ssd.engine.trace import NullTracer
 from ssd.sampling_params import SamplingParams
+from ssd.speculation.chooser import Chooser
 from ssd.speculation.local_proposer import DraftProposer
 from ssd.speculation.stats import SpecCounters
 from ssd.speculation.step import SpeculativeStep
@@ -32,6 +34,17 @@ class StepOutput:
     seq: Sequence
     new_text: str
     new_token_ids: list[int]
+    new_logprobs: list | None = None       # TokenLogprob per new token, when the request asked for them
+
+
+def _weak_call(method):
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        fn = ref()
+        if fn is not None:
+            fn(*args)
+    return call
 
 
 class LLMEngine:
@@ -51,21 +64,23 @@ class LLMEngine:
         managers, lookahead = [target.block_manager], 1
         if mode == "ar":
             self.step_impl: DecodeStep = ARStep(target, self.tracer)
-        elif mode in ("sd", "ssd"):
-            if mode == "sd":
+        elif mode in ("sd", "ssd", "auto"):
+            if mode in ("sd", "auto"):
                 if draft is None:
-                    raise ValueError("mode 'sd' needs a draft model (draft=...)")
+                    raise ValueError(f"mode {mode!r} needs a draft model (draft=...)")
                 proposer = DraftProposer(draft, target.model.cfg.vocab_size, self.tracer)
                 managers = [target.block_manager, draft.block_manager]
             else:
                 if draft_client is None:
                     raise ValueError("mode 'ssd' needs a draft worker")
                 proposer = WorkerProposer(draft_client)
-            self.step_impl = SpeculativeStep(target, proposer, k, self.spec_counters, self.tracer, self._degrade)
+            # a weak callback: the step must not keep its engine (and its KV caches) alive in a cycle
+            self.step_impl = SpeculativeStep(target, proposer, k, self.spec_counters, self.tracer,
+                                             _weak_call(self._degrade), Chooser(k) if mode == "auto" else None)
             self.step_impl.max_spec_batch = spec_max_batch
             lookahead = k + 1
         else:
-            raise ValueError(f"unknown mode {mode!r}; choose ar, sd or ssd")
+            raise ValueError(f"unknown mode {mode!r}; choose ar, sd, ssd or auto")
         self.degraded_from: str | None = None
         self.prefill_threads: int | None = None     # CPU threads for prefill steps (None: unchanged)
         self.scheduler = Scheduler(managers, max_num_seqs, max_num_batched_tokens, lookahead)
@@ -146,11 +161,11 @@ class LLMEngine:
             touched = []
         outs = []
         for seq in touched:
-            text, toks = seq.take_pending()
+            text, toks, lps = seq.take_pending()
             if seq.finished:
                 self.scheduler.finish(seq)
                 self.seqs.pop(seq.request_id, None)
             if toks or seq.finished:
-                outs.append(StepOutput(seq, text, toks))
+                outs.append(StepOutput(seq, text, toks, lps if seq.output_logprobs is not None else None))
         return outs
 

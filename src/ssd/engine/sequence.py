@@ -26,9 +26,13 @@ class SpecStats:
     accepted_tokens: int = 0        # accepted draft tokens
     proposed_by_pos: list[int] = field(default_factory=list)
     accepted_by_pos: list[int] = field(default_factory=list)
+    rounds_by_num_draft: list[int] = field(default_factory=list)   # [j]: rounds that proposed j tokens
 
     def record(self, num_draft: int, accepted: int) -> None:
         self.rounds += 1
+        while len(self.rounds_by_num_draft) <= num_draft:
+            self.rounds_by_num_draft.append(0)
+        self.rounds_by_num_draft[num_draft] += 1
         self.draft_tokens += num_draft
         self.accepted_tokens += accepted
         grow = num_draft - len(self.proposed_by_pos)
@@ -43,6 +47,10 @@ class SpecStats:
         self.rounds += other.rounds
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
+        for j, n in enumerate(other.rounds_by_num_draft):
+            if j >= len(self.rounds_by_num_draft):
+                self.rounds_by_num_draft.append(0)
+            self.rounds_by_num_draft[j] += n
         for j in range(len(other.proposed_by_pos)):
             if j >= len(self.proposed_by_pos):
                 self.proposed_by_pos.append(0)
@@ -86,6 +94,8 @@ class Sequence:
         self.num_cached: list[int] = []     # per KV cache (target, draft): prompt tokens found prefix-cached
         self.pending_text = ""      # text delta produced since the caller last collected it
         self.pending_tokens: list[int] = []
+        self.output_logprobs: list | None = [] if params.logprobs is not None else None   # TokenLogprob each
+        self.pending_logprobs: list = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -102,14 +112,18 @@ class Sequence:
         """How many more tokens this sequence may produce."""
         return min(self.params.max_tokens - len(self.output_token_ids), self.max_model_len - len(self))
 
-    def append_tokens(self, tokens: list[int]) -> int:
-        """Append tokens one by one, stopping at a stop condition. Returns how many were kept."""
+    def append_tokens(self, tokens: list[int], logprobs: list | None = None) -> int:
+        """Append tokens one by one, stopping at a stop condition. Returns how many were kept.
+        logprobs[j] (a TokenLogprob, when the request asked for them) goes with tokens[j]."""
         if self.first_token_time is None and tokens:
             self.first_token_time = time.perf_counter()
         kept = 0
         for t in tokens:
             self.output_token_ids.append(t)
             self.pending_tokens.append(t)
+            if self.output_logprobs is not None and logprobs is not None:
+                self.output_logprobs.append(logprobs[kept])
+                self.pending_logprobs.append(logprobs[kept])
             kept += 1
             if t in self.stop_ids:
                 self._finish("stop")
@@ -128,7 +142,7 @@ class Sequence:
         self.finish_reason = reason
         self.finish_time = time.perf_counter()
 
-    def take_pending(self) -> tuple[str, list[int]]:
-        text, toks = self.pending_text, self.pending_tokens
-        self.pending_text, self.pending_tokens = "", []
-        return text, toks
+    def take_pending(self) -> tuple[str, list[int], list]:
+        text, toks, lps = self.pending_text, self.pending_tokens, self.pending_logprobs
+        self.pending_text, self.pending_tokens, self.pending_logprobs = "", [], []
+        return text, toks, lps

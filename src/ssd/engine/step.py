@@ -8,7 +8,8 @@ from typing import Protocol
 import torch
 
 from ssd.engine.model_runner import ForwardItem, ModelRunner
-from ssd.engine.sampling import sample_tokens
+from ssd.engine.logprobs import logprob_rows, token_logprobs, wanted
+from ssd.engine.sampling import probs_for, sample_tokens
 from ssd.engine.sequence import Sequence
 
 
@@ -38,5 +39,24 @@ def prefill(runner: ModelRunner, seqs: list[Sequence], which: int, num_logits: i
 
 def prefill_and_sample(target: ModelRunner, seqs: list[Sequence]) -> None:
     logits = torch.cat(prefill(target, seqs, 0))
-    for seq, tok in zip(seqs, sample_tokens(logits, seqs)):
-        seq.append_tokens([tok])
+    sample_and_append(logits, seqs)
+
+
+def sample_and_append(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """One token per sequence from its row of `logits` (with its logprobs when asked for)."""
+    toks = sample_tokens(logits, seqs)
+    lps = autoregressive_logprobs(logits, seqs, toks) if wanted(seqs) else [None] * len(seqs)
+    for seq, tok, lp in zip(seqs, toks, lps):
+        seq.append_tokens([tok], lp)
+
+
+def autoregressive_logprobs(logits: torch.Tensor, seqs: list[Sequence], toks: list[int]) -> list:
+    out = []
+    for b, (s, t) in enumerate(zip(seqs, toks)):
+        if s.params.logprobs is None:
+            out.append(None)
+            continue
+        row = logits[b:b + 1]
+        rows = logprob_rows(row, None if s.params.greedy else probs_for(row, [s]), s.params)
+        out.append(token_logprobs(rows, [t], s.params.logprobs))
+    return out

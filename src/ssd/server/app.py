@@ -37,7 +37,9 @@ from ssd.server.protocol import (
     check_completion,
     chunk_body,
     completion_body,
+    logprobs_body,
     parse,
+    wanted_logprobs,
     ssd_extension,
     sse,
     usage,
@@ -71,6 +73,9 @@ class OpenAIServer:
         self.k = llm.config.k
 
     # ---- request -> engine requests -------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        return self.llm.tokenizer.decode([token_id])
+
     async def read_json(self, request: Request):
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
@@ -133,7 +138,8 @@ class OpenAIServer:
                         top_k=req.top_k or 0,
                         seed=None if req.seed is None else (req.seed + i) % SEED_LIMIT,
                         max_tokens=mt, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
-                        ignore_eos=req.ignore_eos)
+                        ignore_eos=req.ignore_eos, logprobs=wanted_logprobs(req, chat),
+                        speculate=True if req.speculate is None else req.speculate, max_draft=req.max_draft)
                 except ValueError as e:
                     field = str(e).split(": ", 1)[-1].split(" ")[0]
                     raise bad_request(str(e), field if field in type(req).model_fields else None) from None
@@ -176,7 +182,8 @@ class OpenAIServer:
 
     async def collect(self, request: Request, group: RequestGroup, rid: str, chat: bool, prompt_tokens: int,
                       echo: list[str] | None) -> Response:
-        choices = [Choice(i, echo[i] if echo else "") for i in range(len(group.request_ids))]
+        choices = [Choice(i, echo[i] if echo else "", text_offset=len(echo[i]) if echo else 0)
+                   for i in range(len(group.request_ids))]
 
         async def run() -> None:
             async for d in group.deltas():
@@ -200,13 +207,14 @@ class OpenAIServer:
             group.close()
         self.metrics.request_done("success")
         return JSONResponse(completion_body(rid, self.name, choices, prompt_tokens,
-                                            ssd_extension(self.mode, self.k, choices), chat))
+                                            ssd_extension(self.mode, self.k, choices), chat, self.token_text))
 
     async def stream(self, group: RequestGroup, rid: str, chat: bool, prompt_tokens: int, echo: list[str] | None,
                      include_usage: bool):
         n = len(group.request_ids)
         created = int(time.time())
         choices = [Choice(i) for i in range(n)]
+        offsets = [len(echo[i]) if echo else 0 for i in range(n)]   # completions: text_offset of the next token
         status = "aborted"
         try:
             for i in range(n):
@@ -217,10 +225,13 @@ class OpenAIServer:
             async for d in group.deltas():
                 c = choices[d.index]
                 _apply(c, d)
-                if not (d.text or d.finished):
+                if not (d.text or d.finished or d.logprobs):
                     continue
+                lp = logprobs_body(d.logprobs, self.token_text, chat, offsets[d.index]) if d.logprobs else None
+                if lp is not None and not chat:
+                    offsets[d.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 body = chunk_body(rid, self.name, created, chat, d.index, d.text,
-                                  d.finish_reason if d.finished else None)
+                                  d.finish_reason if d.finished else None, logprobs=lp)
                 if group.finished:
                     body["ssd"] = ssd_extension(self.mode, self.k, choices)
                 yield sse(body)
@@ -241,6 +252,8 @@ class OpenAIServer:
 
 def _apply(c: Choice, d) -> None:
     c.text += d.text
+    if d.logprobs is not None:
+        c.logprobs = (c.logprobs or []) + list(d.logprobs)
     if d.finished:
         c.finish_reason = d.finish_reason
         c.num_prompt_tokens = d.num_prompt_tokens

@@ -54,6 +54,7 @@ class Delta:
     metrics: RequestMetrics | None = None   # on the final delta
     ssd_hits: int = 0                       # on the final delta: rounds served from the SSD speculation cache
     degraded_from: str | None = None        # on the final delta: set once a draft-worker failure degraded SSD
+    logprobs: list | None = None            # TokenLogprob per token of this delta, when asked for
 
 
 class RequestGroup:
@@ -248,7 +249,8 @@ class AsyncEngine:
             m.spec_delta(track.spec, seq.spec)
             track.spec = copy.deepcopy(seq.spec)
             delta = Delta(track.index, out.new_text, list(out.new_token_ids), seq.finished, seq.finish_reason,
-                          len(seq.prompt_token_ids), len(seq.output_token_ids))
+                          len(seq.prompt_token_ids), len(seq.output_token_ids),
+                          logprobs=None if out.new_logprobs is None else list(out.new_logprobs))
             if seq.finished:
                 del self._tracks[seq.request_id]
                 delta.spec = copy.deepcopy(seq.spec)

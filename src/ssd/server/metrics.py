@@ -59,6 +59,9 @@ class ServerMetrics:
         self.draft_tokens = Counter("ssd_spec_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("ssd_spec_accepted_tokens", "Draft tokens accepted by the target",
                                        registry=r)
+        self.rounds_by_num_draft = Counter("ssd_spec_rounds", "Decode rounds by draft tokens proposed for the "
+                                           "request (0: a plain target step: AR mode, speculate=false, "
+                                           "spec_max_batch, last token)", ["num_draft"], registry=r)
         self.draft_by_pos = Counter("ssd_spec_draft_tokens_by_position", "Draft tokens proposed at position "
                                     "(0-based) within a round", ["position"], registry=r)
         self.accepted_by_pos = Counter("ssd_spec_accepted_tokens_by_position", "Draft tokens accepted at "
@@ -103,6 +106,10 @@ class ServerMetrics:
             self.itl.observe(per)
 
     def spec_delta(self, before: SpecStats, after: SpecStats) -> None:
+        for j, n in enumerate(after.rounds_by_num_draft):
+            n0 = before.rounds_by_num_draft[j] if j < len(before.rounds_by_num_draft) else 0
+            if n > n0:
+                self.rounds_by_num_draft.labels(num_draft=str(j)).inc(n - n0)
         drafted = after.draft_tokens - before.draft_tokens
         if drafted <= 0:
             return

@@ -15,6 +15,7 @@ from ssd.outputs import spec_rates
 MAX_N = 64                     # choices per request
 MAX_PROMPTS = 64               # prompts in one batched completions request
 MAX_STOP = 16
+MAX_LOGPROBS = 20              # top alternatives per token (SamplingParams.logprobs)
 SEED_LIMIT = 2**63
 
 
@@ -51,6 +52,8 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False                 # extension
+    speculate: bool | None = None            # extension: false = no draft tokens for this request
+    max_draft: int | None = None             # extension: at most this many draft tokens per round
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -149,6 +152,13 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
         raise bad_request(msg, param) from None
 
 
+def wanted_logprobs(req, chat: bool) -> int | None:
+    """The engine's SamplingParams.logprobs for this request (None: none asked for)."""
+    if chat:
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
 def check_common(req: _Request) -> None:
     """Reject known fields whose non-default values the engine cannot honour (never silently ignore)."""
     if not 1 <= req.n <= MAX_N:
@@ -170,9 +180,8 @@ def check_common(req: _Request) -> None:
 
 def check_completion(req: CompletionRequest) -> None:
     check_common(req)
-    if req.logprobs is not None:
-        raise bad_request("'logprobs' is not supported yet: the engine does not expose token log-probabilities",
-                          "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
     if req.best_of not in (None, 1) and req.best_of != req.n:
         raise bad_request("'best_of' is not supported (only best_of == n)", "best_of")
     if req.suffix:
@@ -186,9 +195,11 @@ def check_completion(req: CompletionRequest) -> None:
 
 def check_chat(req: ChatRequest) -> None:
     check_common(req)
-    if req.logprobs or req.top_logprobs:
-        raise bad_request("'logprobs' is not supported yet: the engine does not expose token log-probabilities",
-                          "logprobs")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
     if req.tools:
         raise bad_request("'tools' (function calling) is not supported", "tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -225,6 +236,8 @@ class Choice:
     num_generated_tokens: int = 0
     spec: SpecStats | None = None
     ssd_hits: int = 0                  # SSD: rounds served from the speculation cache
+    logprobs: list | None = None       # TokenLogprob per generated token, when asked for
+    text_offset: int = 0               # completions: where the generated text starts (after an echo)
     degraded_from: str | None = None   # set when a draft-worker failure had degraded the engine to AR
 
 
@@ -250,7 +263,7 @@ def ssd_extension(mode: str, k: int | None, choices: list[Choice]) -> dict:
     now = "ar" if degraded else mode
     out = {"mode": now, "k": k if now != "ar" else None, "acceptance_rate": acc, "mean_accepted_len": mal,
            "acceptance_by_position": by_pos, "cache_hit_rate": cache_hit_rate(mode, choices),
-           "target_forwards": spec.rounds}
+           "target_forwards": spec.rounds, "rounds_by_num_draft": list(spec.rounds_by_num_draft)}
     if degraded:
         out["degraded_from"] = degraded
     return out
@@ -271,21 +284,49 @@ def cache_hit_rate(mode: str, choices: list[Choice]) -> float | None:
     return hits / asked if asked else None
 
 
-def completion_body(rid: str, model: str, choices: list[Choice], prompt_tokens: int, ssd: dict,
-                    chat: bool) -> dict:
+def logprobs_body(entries: list | None, token_text, chat: bool, text_offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object for TokenLogprob entries: chat {"content": [...]}, completions
+    {"tokens", "token_logprobs", "top_logprobs", "text_offset"}. token_text(id) -> str."""
+    if entries is None:
+        return None
     if chat:
-        items = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                  "finish_reason": c.finish_reason} for c in choices]
-    else:
-        items = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        def item(tok, lp):
+            t = token_text(tok)
+            return {"token": t, "logprob": _finite(lp), "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    tokens = [token_text(e.token_id) for e in entries]
+    offsets, pos = [], text_offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{token_text(t): _finite(lp) for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: a token the warped distribution excludes is reported at -9999 (as OpenAI does)."""
+    return x if x > -9999.0 else -9999.0
+
+
+def completion_body(rid: str, model: str, choices: list[Choice], prompt_tokens: int, ssd: dict,
+                    chat: bool, token_text=None) -> dict:
+    if chat:
+        items = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": logprobs_body(c.logprobs, token_text, True), "finish_reason": c.finish_reason}
                  for c in choices]
+    else:
+        items = [{"index": c.index, "text": c.text,
+                  "logprobs": logprobs_body(c.logprobs, token_text, False, c.text_offset),
+                  "finish_reason": c.finish_reason} for c in choices]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": items, "system_fingerprint": None,
             "usage": usage(prompt_tokens, sum(c.num_generated_tokens for c in choices)), "ssd": ssd}
 
 
 def chunk_body(rid: str, model: str, created: int, chat: bool, index: int | None, text: str | None = None,
-               finish_reason: str | None = None, role: bool = False) -> dict:
+               finish_reason: str | None = None, role: bool = False, logprobs: dict | None = None) -> dict:
     """One stream chunk with one choice delta (index None: a chunk without choices, for usage)."""
     choices = []
     if index is not None:
@@ -293,9 +334,9 @@ def chunk_body(rid: str, model: str, created: int, chat: bool, index: int | None
             delta: dict = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choices = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         else:
-            choices = [{"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+            choices = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "system_fingerprint": None}
 

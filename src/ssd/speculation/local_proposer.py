@@ -75,6 +75,9 @@ class DraftProposer:
             out.append(n)
         return out
 
+    def behind(self, seqs: list[Sequence]) -> list[int]:
+        return [max(0, len(s) - 1 - s.spec_state.draft_cached) for s in seqs]
+
     def observe(self, seqs: list[Sequence], lens: list[int], accepted: list[int], proposal: Proposal) -> None:
         """Roll the draft's cache back to what the target accepted (of what the draft was fed)."""
         dbm = self.draft.block_manager

@@ -41,6 +41,9 @@ class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], num_draft: list[int], verify_s: float) -> Proposal:
         """At most num_draft[b] tokens for each sequence (0: none). Raises ProposerFailed."""
 
+    def behind(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens each sequence's draft must catch up on before it can draft (0 when in step)."""
+
     def observe(self, seqs: list[Sequence], lens: list[int], accepted: list[int], proposal: Proposal) -> None:
         """After verification: sequence b had lens[b] tokens before the round and accepted accepted[b]."""
 

@@ -38,12 +38,30 @@ class SpecCounters:
     verify_s: float = 0.0           # target busy verifying
     worker_busy_s: float = 0.0      # SSD: the worker's own busy time (drafting + pre-drafting), cumulative
     chains_drafted: int = 0         # SSD: pre-drafted chains, cumulative
+    # mode "auto": the chooser's decisions and how its predictions held up
+    plain_rounds: int = 0           # rounds it ran without any draft (a plain target step)
+    rows_by_num_draft: list[int] = field(default_factory=list)   # [j]: sequence-rounds given j draft tokens
+    predicted_tokens: float = 0.0
+    predicted_s: float = 0.0
+    committed_tokens: int = 0
+    round_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
     def cover(self, k: int) -> None:
         """Report every accepted length 0..K, zeros included."""
         _grow(self.hits_by_k, k + 1)
         _grow(self.misses_by_k, k + 1)
+
+    def record_choice(self, num_draft: list[int], predicted_tokens: float, predicted_s: float, committed: int,
+                      seconds: float) -> None:
+        self.plain_rounds += not any(num_draft)
+        for k in num_draft:
+            _grow(self.rows_by_num_draft, k + 1)
+            self.rows_by_num_draft[k] += 1
+        self.predicted_tokens += predicted_tokens
+        self.predicted_s += predicted_s
+        self.committed_tokens += committed
+        self.round_s += seconds
 
     def record_lookup(self, k: int, hit: bool, committed: int) -> None:
         _grow(self.hits_by_k, k + 1)
@@ -60,6 +78,7 @@ class SpecCounters:
     def snapshot(self) -> SpecSnapshot:
         vals = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "started"}
         vals["hits_by_k"], vals["misses_by_k"] = tuple(self.hits_by_k), tuple(self.misses_by_k)
+        vals["rows_by_num_draft"] = tuple(self.rows_by_num_draft)
         return SpecSnapshot(**vals, wall_s=time.perf_counter() - self.started)
 
 
@@ -79,6 +98,12 @@ class SpecSnapshot:
     verify_s: float = 0.0
     worker_busy_s: float = 0.0
     chains_drafted: int = 0
+    plain_rounds: int = 0
+    rows_by_num_draft: tuple[int, ...] = ()
+    predicted_tokens: float = 0.0
+    predicted_s: float = 0.0
+    committed_tokens: int = 0
+    round_s: float = 0.0
     wall_s: float = 0.0
 
     def delta(self, before: SpecSnapshot) -> SpecSnapshot:
@@ -110,4 +135,9 @@ class SpecSnapshot:
                 "draft_busy_fraction": min(self.worker_busy_s / busy, 1.0) if busy else None,
                 "ms_per_round": per(1e3 * busy, self.rounds),
                 "verify_ms_per_round": per(1e3 * self.verify_s, self.rounds),
-                "chains_drafted": self.chains_drafted}
+                "chains_drafted": self.chains_drafted,
+                **({"auto_plain_round_share": per(self.plain_rounds, self.rounds),
+                    "auto_rows_by_num_draft": list(self.rows_by_num_draft),
+                    "auto_predicted_tokens_per_s": per(self.predicted_tokens, self.predicted_s),
+                    "auto_measured_tokens_per_s": per(self.committed_tokens, self.round_s)}
+                   if self.rows_by_num_draft else {})}

@@ -18,6 +18,7 @@ import time
 from ssd.engine.model_runner import ModelRunner
 from ssd.engine.sequence import Sequence
 from ssd.engine.step import prefill_and_sample
+from ssd.speculation.chooser import Chooser
 from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
 from ssd.speculation.stats import SpecCounters
 from ssd.speculation.verifier import verify_and_commit
@@ -28,7 +29,7 @@ _MISS = (Source.NEURAL, Source.PARTIAL, Source.FAST)
 
 class SpeculativeStep:
     def __init__(self, target: ModelRunner, proposer: Proposer, k: int, counters: SpecCounters, tracer,
-                 on_failure=None):
+                 on_failure=None, chooser: Chooser | None = None):
         if k < 1:
             raise ValueError(f"k (speculation length) must be >= 1, got {k}")
         self.target, self.proposer, self.k = target, proposer, k
@@ -36,8 +37,16 @@ class SpeculativeStep:
         if proposer.name == "worker":
             counters.cover(k)
         self.on_failure = on_failure
+        self.chooser = chooser          # mode "auto": picks each sequence's draft length every round
         self.max_spec_batch: int | None = None   # larger decode batches run rounds without a speculation
         self.last_verify_s = 0.0
+
+    def num_draft(self, s: Sequence) -> int:
+        """Draft tokens for this sequence this round: K, capped by the request (speculate, max_draft) and
+        by what it may still produce (the bonus token is always the target's)."""
+        p = s.params
+        cap = 0 if not p.speculate else self.k if p.max_draft is None else min(self.k, p.max_draft)
+        return max(0, min(cap, s.remaining_tokens() - 1))
 
     def _failed(self, error: ProposerFailed) -> None:
         if self.on_failure is None:
@@ -54,11 +63,14 @@ class SpeculativeStep:
         self.proposer.after_prefill(seqs)
 
     def decode(self, seqs: list[Sequence]) -> None:
-        num_draft = [max(0, min(self.k, s.remaining_tokens() - 1)) for s in seqs]
+        num_draft = [self.num_draft(s) for s in seqs]
+        behind = self.proposer.behind(seqs)
+        if self.chooser is not None:
+            num_draft = self.chooser.plan([s.seq_id for s in seqs], num_draft, behind)
         t0 = time.perf_counter()
         proposal = None
         try:
-            if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch:
+            if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch or not any(num_draft):
                 self.proposer.skip(seqs)
             else:
                 proposal = self.proposer.propose(seqs, num_draft, self.last_verify_s)
@@ -78,6 +90,12 @@ class SpeculativeStep:
         t2 = time.perf_counter()
         self.last_verify_s = t2 - t1
         self._count(seqs, proposal, before, t1 - t0, t2 - t1)
+        if self.chooser is not None:
+            sent = [len(d) for d in proposal.tokens]
+            self.counters.record_choice(sent, self.chooser.predicted_tokens, self.chooser.predicted_s,
+                                        sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before)), t2 - t0)
+            caught_up = sum(t for t, k in zip(behind, sent) if k > 0)
+            self.chooser.observe([s.seq_id for s in seqs], sent, accepted, t1 - t0, t2 - t1, caught_up)
         self.proposer.observe(seqs, lens, accepted, proposal)
 
     def _count(self, seqs: list[Sequence], proposal: Proposal, before: list[int], wait_s: float,
@@ -100,6 +118,8 @@ class SpeculativeStep:
                 c.record_lookup(st.accepted, src == Source.CACHE, len(s.output_token_ids) - b0)
 
     def release(self, seq: Sequence) -> None:
+        if self.chooser is not None:
+            self.chooser.forget(seq.seq_id)
         try:
             self.proposer.release(seq)
         except ProposerFailed as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ssd.engine.logprobs import logprob_rows, token_logprobs
 from ssd.engine.model_runner import ForwardItem, ModelRunner
 from ssd.engine.sampling import probs_for
 from ssd.engine.sequence import Sequence
@@ -42,7 +43,12 @@ def verify_and_commit(target: ModelRunner, seqs: list[Sequence], drafts: list[li
         tbm.rollback(s.seq_id, tbm.num_tokens(s.seq_id) - (L + n))
         tbm.commit(s.seq_id, s.all_token_ids + drafts[b][:n])
         s.spec.record(len(drafts[b]), n)
-        s.append_tokens(drafts[b][:n] + [int(res.bonus_token[b])])
+        committed = drafts[b][:n] + [int(res.bonus_token[b])]
+        lps = None
+        if s.params.logprobs is not None:     # the same rows an AR step would have scored these positions with
+            rows = logprob_rows(logits[b][:n + 1], p[b, :n + 1], s.params)
+            lps = token_logprobs(rows, committed, s.params.logprobs)
+        s.append_tokens(committed, lps)
         accepted.append(n)
     return accepted
 

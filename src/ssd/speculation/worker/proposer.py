@@ -68,6 +68,9 @@ class WorkerProposer:
         spans = [(_SPAN_NAMES.get(k, "draft"), a, b) for k, a, b in ans.spans]
         return Proposal(tokens, probs, sources, spans, ans.busy_s, ans.chains_drafted)
 
+    def behind(self, seqs: list[Sequence]) -> list[int]:
+        return [0] * len(seqs)          # the worker keeps up by itself (or is handed the sequence back)
+
     def observe(self, seqs: list[Sequence], lens: list[int], accepted: list[int], proposal: Proposal) -> None:
         for s, n, d, src in zip(seqs, accepted, proposal.tokens, proposal.sources or [0] * len(seqs)):
             st = s.spec_state

@@ -1,0 +1,184 @@
+"""mode="auto": choose every round, per sequence, how many draft tokens to verify (0 = a plain target
+step), from an online cost model and each request's measured acceptance (docs/ARCHITECTURE.md 4.1).
+
+The model: a target forward over R rows costs a + b R; drafting costs c per draft step plus d per
+row of it (a plan with K_b tokens for sequence b runs max K_b steps, step j over the sequences with
+K_b > j). A sequence with per-token acceptance a_b and K_b draft tokens commits
+E(a_b, K_b) = (1 - a_b^(K_b+1)) / (1 - a_b) tokens in expectation. The chooser maximizes
+sum_b E(a_b, K_b) / time(plan): first the best common K, then coordinate ascent per sequence. It
+keeps the previous plan unless the new one is predicted at least `hysteresis` faster, and now and
+then probes one draft token for a sequence it runs without drafts, so its acceptance stays measured.
+Everything is measured from the rounds the engine runs anyway: no extra forwards.
+
+Exactness does not depend on any of this: every plan is verified by the same exact rejection sampling.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one round commits in expectation: accepted drafts (geometric, truncated at k) + 1."""
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class RLS:
+    """Recursive least squares with forgetting: y ~ w . x, one observation at a time. The prior w0 has
+    weight 1 (in the caller's units); forgetting lets the fit follow drifting timings, and the
+    covariance is bounded so directions the data does not excite do not wind up."""
+
+    def __init__(self, prior: list[float], forget: float = 0.97, max_trace: float = 100.0):
+        self.w = torch.tensor(prior, dtype=torch.float64)
+        self.P = torch.eye(len(prior), dtype=torch.float64)
+        self.forget, self.max_trace = forget, max_trace
+        self._w = list(prior)          # plain floats: predict() runs hundreds of times per round
+
+    def update(self, x: list[float], y: float) -> None:
+        x = torch.tensor(x, dtype=torch.float64)
+        Px = self.P @ x
+        gain = Px / (self.forget + x @ Px)
+        self.w = self.w + gain * (y - x @ self.w)
+        self.P = (self.P - torch.outer(gain, Px)) / self.forget
+        tr = float(self.P.trace())
+        if tr > self.max_trace:
+            self.P *= self.max_trace / tr
+        self._w = self.w.tolist()
+
+    def set(self, w: list[float]) -> None:
+        self.w = torch.tensor(w, dtype=torch.float64)
+        self._w = list(w)
+
+    def predict(self, x: list[float]) -> float:
+        return sum(a * b for a, b in zip(self._w, x))
+
+
+class CostModel:
+    """Target forward time a + b R; draft time c per step + d per row + e per catch-up token (a draft
+    that sat out plain rounds first feeds the tokens it missed). Fitted in units of the first measured
+    target forward (so the priors below are relative): extra rows cost 10% of a step, a draft step 30%,
+    a draft row 3%, a catch-up token 10%."""
+
+    amortize = 8.0      # rounds a catch-up is spread over when planning (it is paid once per switch)
+
+    def __init__(self):
+        self.unit: float | None = None
+        self.target = RLS([1.0, 0.1])
+        self.draft = RLS([0.3, 0.03, 0.1])
+
+    def target_s(self, rows: int) -> float:
+        return max(self.target.predict([1.0, rows]), 1e-3)
+
+    def draft_s(self, num_draft: list[int], catch_up: float = 0.0) -> float:
+        steps = max(num_draft, default=0)
+        return max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) if steps else 0.0
+
+    def time_s(self, num_draft: list[int], behind: list[int] | None = None, amortized: bool = True) -> float:
+        """Predicted time (in units of the first target forward) of a round with this plan; behind[b]:
+        tokens sequence b's draft must catch up on before it drafts (charged only if it drafts)."""
+        catch = sum(t for t, k in zip(behind or [], num_draft) if k > 0)
+        return self.draft_s(num_draft, catch / self.amortize if amortized else catch) + \
+            self.target_s(sum(k + 1 for k in num_draft))
+
+    def observe_target(self, rows: int, seconds: float) -> None:
+        if self.unit is None:
+            self.unit = max(seconds, 1e-6) / self.target_s(rows)
+        self.target.update([1.0, rows], seconds / self.unit)
+
+    def observe_draft(self, num_draft: list[int], seconds: float, catch_up: int = 0) -> None:
+        if max(num_draft, default=0) and self.unit is not None:
+            self.draft.update([max(num_draft), sum(num_draft), catch_up], seconds / self.unit)
+
+
+def rate(num_draft: list[int], acceptance: list[float], cost: CostModel, behind: list[int] | None = None) -> float:
+    """Predicted committed tokens per unit of time of a plan."""
+    return sum(expected_tokens(a, k) for a, k in zip(acceptance, num_draft)) / cost.time_s(num_draft, behind)
+
+
+def best_plan(acceptance: list[float], caps: list[int], cost: CostModel, behind: list[int] | None = None,
+              passes: int = 2) -> list[int]:
+    """Per-sequence draft lengths (each <= its cap) maximizing the predicted rate."""
+    kmax = max(caps, default=0)
+    plans = [[min(k, c) for c in caps] for k in range(kmax + 1)]
+    plan = max(plans, key=lambda p: rate(p, acceptance, cost, behind))
+    best = rate(plan, acceptance, cost, behind)
+    for _ in range(passes):
+        improved = False
+        for b, cap in enumerate(caps):
+            for k in range(cap + 1):
+                if k == plan[b]:
+                    continue
+                trial = plan[:b] + [k] + plan[b + 1:]
+                r = rate(trial, acceptance, cost, behind)
+                if r > best * (1 + 1e-9):
+                    plan, best, improved = trial, r, True
+        if not improved:
+            break
+    return plan
+
+
+class AcceptanceEstimate:
+    """Per-token acceptance of one request: accepted / (accepted + rejections), with a prior of
+    `strength` rounds at the engine-wide rate, and decay so it follows a request that changes."""
+
+    def __init__(self, prior: float, strength: float = 2.0):
+        self.acc = prior * strength
+        self.rej = (1 - prior) * strength
+
+    def observe(self, proposed: int, accepted: int, decay: float = 0.95) -> None:
+        if proposed <= 0:
+            return
+        self.acc = decay * self.acc + accepted
+        self.rej = decay * self.rej + (accepted < proposed)
+
+    @property
+    def value(self) -> float:
+        return min(max(self.acc / max(self.acc + self.rej, 1e-9), 0.0), 0.999)
+
+
+class Chooser:
+    def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16):
+        self.k, self.hysteresis, self.probe_every = k, hysteresis, probe_every
+        self.cost = CostModel()
+        self.global_acc = AcceptanceEstimate(0.6, strength=4.0)
+        self.per_seq: dict[int, AcceptanceEstimate] = {}
+        self.last: dict[int, int] = {}
+        self.rounds = 0
+        self.predicted_tokens = 0.0     # of the last plan: expected tokens and predicted seconds
+        self.predicted_s = 0.0
+
+    def _acc(self, seq_id: int) -> AcceptanceEstimate:
+        if seq_id not in self.per_seq:
+            self.per_seq[seq_id] = AcceptanceEstimate(self.global_acc.value)
+        return self.per_seq[seq_id]
+
+    def plan(self, seq_ids: list[int], caps: list[int], behind: list[int] | None = None) -> list[int]:
+        """Draft lengths for this round; behind[b]: tokens b's draft must catch up on first."""
+        self.rounds += 1
+        behind = behind or [0] * len(seq_ids)
+        acc = [self._acc(i).value for i in seq_ids]
+        new = best_plan(acc, caps, self.cost, behind)
+        old = [min(self.last.get(i, k), c) for i, k, c in zip(seq_ids, new, caps)]
+        if rate(new, acc, self.cost, behind) < rate(old, acc, self.cost, behind) * (1 + self.hysteresis):
+            new = old
+        if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
+            idle = [b for b, (k, c) in enumerate(zip(new, caps)) if k == 0 and c > 0]
+            if idle:
+                new[min(idle, key=lambda b: behind[b])] = 1     # the cheapest to catch up
+        self.predicted_tokens = sum(expected_tokens(a, k) for a, k in zip(acc, new))
+        self.predicted_s = self.cost.time_s(new, behind, amortized=False) * (self.cost.unit or 0.0)
+        self.last.update(zip(seq_ids, new))
+        return new
+
+    def observe(self, seq_ids: list[int], num_draft: list[int], accepted: list[int], draft_s: float,
+                target_s: float, caught_up: int = 0) -> None:
+        self.cost.observe_target(sum(k + 1 for k in num_draft), target_s)
+        self.cost.observe_draft(num_draft, draft_s, caught_up)
+        for i, k, n in zip(seq_ids, num_draft, accepted):
+            self._acc(i).observe(k, n)
+            self.global_acc.observe(k, n, decay=0.99)
+
+    def forget(self, seq_id: int) -> None:
+        self.per_seq.pop(seq_id, None)
+        self.last.pop(seq_id, None)

@@ -1,0 +1,89 @@
+"""The auto-mode chooser as pure functions of a cost model and acceptance estimates (no model)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ssd.speculation.chooser import AcceptanceEstimate, Chooser, CostModel, best_plan, expected_tokens, rate
+
+
+def model(a=1.0, b=0.1, c=0.3, d=0.03, e=0.1) -> CostModel:
+    m = CostModel()
+    m.unit = 1.0
+    m.target.set([a, b])
+    m.draft.set([c, d, e])
+    return m
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_plain_steps_when_rows_are_expensive_long_drafts_when_cheap():
+    acc = [0.8] * 4
+    assert best_plan(acc, [4] * 4, model(b=1.0)) == [0, 0, 0, 0]           # verify cost grows fast with rows
+    assert best_plan(acc, [4] * 4, model(b=0.01, c=0.05, d=0.0)) == [4, 4, 4, 4]   # flat verify, cheap draft
+    assert best_plan(acc, [4, 2, 0, 4], model(b=0.01, c=0.05, d=0.0)) == [4, 2, 0, 4]   # caps respected
+
+
+def test_lower_k_when_acceptance_drops_and_per_sequence_choices():
+    m = model(b=0.05, c=0.1, d=0.01)
+    high = best_plan([0.95], [8], m)[0]
+    low = best_plan([0.3], [8], m)[0]
+    assert high > low
+    mixed = best_plan([0.95, 0.1], [8, 8], m)
+    assert mixed[0] > mixed[1]                     # in one batch: the request that accepts more drafts more
+    assert rate(mixed, [0.95, 0.1], m) >= rate([mixed[0]] * 2, [0.95, 0.1], m)
+
+
+def test_hysteresis_keeps_the_plan_unless_clearly_better():
+    ch = Chooser(k=4)
+    ch.cost = model(b=0.05, c=0.1, d=0.01)
+    ch.per_seq[1] = AcceptanceEstimate(0.9, strength=1000)
+    first = ch.plan([1], [4])
+    best_k = first[0]
+    ch.last[1] = max(best_k - 1, 0)               # a nearly-as-good plan in place: kept
+    near = rate([ch.last[1]], [0.9], ch.cost) * 1.03 > rate([best_k], [0.9], ch.cost)
+    assert ch.plan([1], [4]) == ([ch.last[1]] if near else [best_k])
+    ch.last[1] = 0                                # a much worse plan in place: replaced
+    assert ch.plan([1], [4]) == [best_k]
+
+
+def test_a_draft_far_behind_is_charged_its_catch_up():
+    m = model(b=0.02, c=0.2, d=0.02, e=0.2)
+    assert best_plan([0.7], [4], m, behind=[0]) != [0]
+    assert best_plan([0.7], [4], m, behind=[200]) == [0]          # catching up 200 tokens does not pay
+
+
+def test_probes_a_sequence_it_stopped_drafting_for():
+    ch = Chooser(k=4, probe_every=4)
+    ch.cost = model(b=2.0)                        # drafting never pays: plain steps
+    plans = [ch.plan([7], [4]) for _ in range(8)]
+    assert plans.count([0]) == 6 and plans[3] == plans[7] == [1]
+
+
+def test_cost_model_and_acceptance_learn_from_observations():
+    rng = random.Random(0)
+    m = CostModel()
+    for _ in range(200):
+        rows = rng.randint(1, 20)
+        m.observe_target(rows, 0.040 + 0.004 * rows * rng.uniform(0.95, 1.05))
+        ks = [rng.randint(0, 4) for _ in range(rng.randint(1, 4))]
+        behind = rng.choice([0, 0, 0, 5, 20])
+        m.observe_draft(ks, 0.010 * max(ks) + 0.001 * sum(ks) + 0.002 * behind * (max(ks) > 0), behind)
+    for rows in (1, 10, 20):
+        assert m.target_s(rows) * m.unit == pytest.approx(0.040 + 0.004 * rows, rel=0.05)
+    assert m.draft_s([4, 2]) * m.unit == pytest.approx(0.046, rel=0.05)
+    assert m.draft_s([4, 2], catch_up=10) * m.unit == pytest.approx(0.046 + 0.02, rel=0.05)
+    for true_a in (0.3, 0.9):
+        est = AcceptanceEstimate(0.6)
+        for _ in range(400):
+            k = 4
+            acc = 0
+            while acc < k and rng.random() < true_a:
+                acc += 1
+            est.observe(k, acc)
+        assert est.value == pytest.approx(true_a, abs=0.08)
