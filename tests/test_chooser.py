@@ -52,17 +52,19 @@ def test_hysteresis_keeps_the_plan_unless_clearly_better():
     assert ch.plan([1], [4]) == [best_k]
 
 
-def test_a_draft_far_behind_is_charged_its_catch_up():
+def test_a_draft_far_behind_is_charged_its_catch_up_over_the_rest_of_the_request():
     m = model(b=0.02, c=0.2, d=0.02, e=0.2)
-    assert best_plan([0.7], [4], m, behind=[0]) != [0]
-    assert best_plan([0.7], [4], m, behind=[200]) == [0]          # catching up 200 tokens does not pay
+    assert best_plan([0.7], [4], m, behind=[0], remaining=[10]) != [0]
+    assert best_plan([0.7], [4], m, behind=[200], remaining=[10]) == [0]     # 200 tokens for 10 more: no
+    assert best_plan([0.7], [4], m, behind=[200], remaining=[5000]) != [0]   # for 5000 more: worth it
 
 
-def test_probes_a_sequence_it_stopped_drafting_for():
+def test_probes_a_sequence_it_stopped_drafting_for_while_that_is_cheap():
     ch = Chooser(k=4, probe_every=4)
     ch.cost = model(b=2.0)                        # drafting never pays: plain steps
-    plans = [ch.plan([7], [4]) for _ in range(8)]
+    plans = [ch.plan([7], [4], behind=[1]) for _ in range(8)]
     assert plans.count([0]) == 6 and plans[3] == plans[7] == [1]
+    assert all(ch.plan([7], [4], behind=[30]) == [0] for _ in range(8))      # far behind: no probe
 
 
 def test_cost_model_and_acceptance_learn_from_observations():

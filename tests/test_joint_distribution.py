@@ -332,7 +332,7 @@ def test_auto_switching_draft_lengths_every_round_keeps_the_joint_law(monkeypatc
 
     from ssd.speculation.chooser import Chooser
 
-    def plan(self, seq_ids, caps, behind=None):
+    def plan(self, seq_ids, caps, behind=None, remaining=None):
         self.rounds += 1
         out = [int(hashlib.blake2b(f"{i}:{self.rounds}".encode(), digest_size=2).hexdigest(), 16) % (c + 1)
                for i, c in zip(seq_ids, caps)]

@@ -380,3 +380,23 @@ def test_an_idle_engine_keeps_its_worker(tiny_pair, ar_ref):
         assert llm.engine.degraded_from is None and llm._client.proc.poll() is None
     finally:
         llm.close()
+
+
+def test_two_ssd_engines_live_in_one_process(tiny_pair, ar_ref):
+    """Each engine/worker link is its own process group (not torch's global one): two SSD engines in
+    one process, each with its own worker process, interleave requests and close independently."""
+    target, draft = tiny_pair
+    kw = dict(draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+              worker_timeout_s=30)
+    a = LLM(str(target), **kw)
+    b = LLM(str(target), **kw)
+    try:
+        assert a._client.pid != b._client.pid
+        assert [o.token_ids for o in a.generate(PROMPTS[:2], GREEDY)] == ar_ref[:2]
+        assert [o.token_ids for o in b.generate(PROMPTS[2:4], GREEDY)] == ar_ref[2:4]
+        a.close()
+        assert [o.token_ids for o in b.generate(PROMPTS[:1], GREEDY)] == ar_ref[:1]
+        assert b.engine.degraded_from is None and b.engine.spec_metrics().rounds > 0
+    finally:
+        a.close()
+        b.close()

@@ -68,7 +68,7 @@ class LLMEngine:
             if mode in ("sd", "auto"):
                 if draft is None:
                     raise ValueError(f"mode {mode!r} needs a draft model (draft=...)")
-                proposer = DraftProposer(draft, target.model.cfg.vocab_size, self.tracer)
+                proposer = DraftProposer(draft, target.model.cfg.vocab_size, self.tracer, lazy=mode == "auto")
                 managers = [target.block_manager, draft.block_manager]
             else:
                 if draft_client is None:

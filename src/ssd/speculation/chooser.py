@@ -60,7 +60,6 @@ class CostModel:
     target forward (so the priors below are relative): extra rows cost 10% of a step, a draft step 30%,
     a draft row 3%, a catch-up token 10%."""
 
-    amortize = 8.0      # rounds a catch-up is spread over when planning (it is paid once per switch)
 
     def __init__(self):
         self.unit: float | None = None
@@ -74,12 +73,10 @@ class CostModel:
         steps = max(num_draft, default=0)
         return max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) if steps else 0.0
 
-    def time_s(self, num_draft: list[int], behind: list[int] | None = None, amortized: bool = True) -> float:
-        """Predicted time (in units of the first target forward) of a round with this plan; behind[b]:
-        tokens sequence b's draft must catch up on before it drafts (charged only if it drafts)."""
-        catch = sum(t for t, k in zip(behind or [], num_draft) if k > 0)
-        return self.draft_s(num_draft, catch / self.amortize if amortized else catch) + \
-            self.target_s(sum(k + 1 for k in num_draft))
+    def time_s(self, num_draft: list[int], catch_up: float = 0.0) -> float:
+        """Predicted time (in units of the first target forward) of a round with this plan, whose
+        drafts first feed `catch_up` tokens they missed."""
+        return self.draft_s(num_draft, catch_up) + self.target_s(sum(k + 1 for k in num_draft))
 
     def observe_target(self, rows: int, seconds: float) -> None:
         if self.unit is None:
@@ -91,18 +88,33 @@ class CostModel:
             self.draft.update([max(num_draft), sum(num_draft), catch_up], seconds / self.unit)
 
 
-def rate(num_draft: list[int], acceptance: list[float], cost: CostModel, behind: list[int] | None = None) -> float:
+def catch_up_share(num_draft: list[int], acceptance: list[float], behind: list[int] | None,
+                   remaining: list[int] | None) -> float:
+    """Catch-up tokens charged to one round: a draft that missed `behind` tokens pays them once when it
+    drafts again, which serves the rest of its request, so each round carries the share
+    behind / (rounds left at that draft length) = behind * E(a, K) / remaining."""
+    if not behind:
+        return 0.0
+    rem = remaining or [1] * len(behind)
+    return sum(t * min(1.0, expected_tokens(a, k) / max(r, 1))
+               for t, k, a, r in zip(behind, num_draft, acceptance, rem) if k > 0 and t > 0)
+
+
+def rate(num_draft: list[int], acceptance: list[float], cost: CostModel, behind: list[int] | None = None,
+         remaining: list[int] | None = None) -> float:
     """Predicted committed tokens per unit of time of a plan."""
-    return sum(expected_tokens(a, k) for a, k in zip(acceptance, num_draft)) / cost.time_s(num_draft, behind)
+    catch = catch_up_share(num_draft, acceptance, behind, remaining)
+    return sum(expected_tokens(a, k) for a, k in zip(acceptance, num_draft)) / cost.time_s(num_draft, catch)
 
 
 def best_plan(acceptance: list[float], caps: list[int], cost: CostModel, behind: list[int] | None = None,
-              passes: int = 2) -> list[int]:
+              remaining: list[int] | None = None, passes: int = 2) -> list[int]:
     """Per-sequence draft lengths (each <= its cap) maximizing the predicted rate."""
+    r = lambda p: rate(p, acceptance, cost, behind, remaining)   # noqa: E731
     kmax = max(caps, default=0)
     plans = [[min(k, c) for c in caps] for k in range(kmax + 1)]
-    plan = max(plans, key=lambda p: rate(p, acceptance, cost, behind))
-    best = rate(plan, acceptance, cost, behind)
+    plan = max(plans, key=r)
+    best = r(plan)
     for _ in range(passes):
         improved = False
         for b, cap in enumerate(caps):
@@ -110,9 +122,9 @@ def best_plan(acceptance: list[float], caps: list[int], cost: CostModel, behind:
                 if k == plan[b]:
                     continue
                 trial = plan[:b] + [k] + plan[b + 1:]
-                r = rate(trial, acceptance, cost, behind)
-                if r > best * (1 + 1e-9):
-                    plan, best, improved = trial, r, True
+                rt = r(trial)
+                if rt > best * (1 + 1e-9):
+                    plan, best, improved = trial, rt, True
         if not improved:
             break
     return plan
@@ -138,8 +150,9 @@ class AcceptanceEstimate:
 
 
 class Chooser:
-    def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16):
+    def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int = 2):
         self.k, self.hysteresis, self.probe_every = k, hysteresis, probe_every
+        self.probe_behind = probe_behind      # probe only drafts at most this far behind (a probe is cheap)
         self.cost = CostModel()
         self.global_acc = AcceptanceEstimate(0.6, strength=4.0)
         self.per_seq: dict[int, AcceptanceEstimate] = {}
@@ -153,21 +166,25 @@ class Chooser:
             self.per_seq[seq_id] = AcceptanceEstimate(self.global_acc.value)
         return self.per_seq[seq_id]
 
-    def plan(self, seq_ids: list[int], caps: list[int], behind: list[int] | None = None) -> list[int]:
-        """Draft lengths for this round; behind[b]: tokens b's draft must catch up on first."""
+    def plan(self, seq_ids: list[int], caps: list[int], behind: list[int] | None = None,
+             remaining: list[int] | None = None) -> list[int]:
+        """Draft lengths for this round; behind[b]: tokens b's draft must catch up on before it drafts;
+        remaining[b]: tokens b may still produce (spreads a catch-up over the rest of the request)."""
         self.rounds += 1
         behind = behind or [0] * len(seq_ids)
         acc = [self._acc(i).value for i in seq_ids]
-        new = best_plan(acc, caps, self.cost, behind)
+        new = best_plan(acc, caps, self.cost, behind, remaining)
         old = [min(self.last.get(i, k), c) for i, k, c in zip(seq_ids, new, caps)]
-        if rate(new, acc, self.cost, behind) < rate(old, acc, self.cost, behind) * (1 + self.hysteresis):
+        if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * \
+                (1 + self.hysteresis):
             new = old
         if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
-            idle = [b for b, (k, c) in enumerate(zip(new, caps)) if k == 0 and c > 0]
+            idle = [b for b, (k, c) in enumerate(zip(new, caps)) if k == 0 and c > 0 and behind[b] <= self.probe_behind]
             if idle:
-                new[min(idle, key=lambda b: behind[b])] = 1     # the cheapest to catch up
+                new[idle[0]] = 1
         self.predicted_tokens = sum(expected_tokens(a, k) for a, k in zip(acc, new))
-        self.predicted_s = self.cost.time_s(new, behind, amortized=False) * (self.cost.unit or 0.0)
+        catch = sum(t for t, k in zip(behind, new) if k > 0)
+        self.predicted_s = self.cost.time_s(new, catch) * (self.cost.unit or 0.0)
         self.last.update(zip(seq_ids, new))
         return new
 

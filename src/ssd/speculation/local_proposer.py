@@ -17,10 +17,17 @@ class DraftProposer:
     name = "draft"
     lookahead_kv = True
 
-    def __init__(self, draft: ModelRunner, vocab: int, tracer):
+    def __init__(self, draft: ModelRunner, vocab: int, tracer, lazy: bool = False):
         self.draft, self.vocab, self.tracer = draft, vocab, tracer
+        # lazy (mode "auto"): no draft prefill; the draft feeds the prompt the first time it drafts for
+        # the sequence (the chooser weighs that catch-up against the rest of the request)
+        self.lazy = lazy
 
     def prefill(self, seqs: list[Sequence]) -> None:
+        if self.lazy:
+            for seq in seqs:       # only the prefix-cached part is in the draft's cache (never commit more)
+                seq.spec_state.draft_cached = seq.num_cached[1]
+            return
         with self.tracer.span("draft", "prefill"):
             prefill(self.draft, seqs, 1, num_logits=0)
         for seq in seqs:

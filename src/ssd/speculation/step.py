@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from ssd.engine.ar import ARStep
 from ssd.engine.model_runner import ModelRunner
 from ssd.engine.sequence import Sequence
 from ssd.engine.step import prefill_and_sample
@@ -38,6 +39,7 @@ class SpeculativeStep:
             counters.cover(k)
         self.on_failure = on_failure
         self.chooser = chooser          # mode "auto": picks each sequence's draft length every round
+        self._ar = ARStep(target, tracer)
         self.max_spec_batch: int | None = None   # larger decode batches run rounds without a speculation
         self.last_verify_s = 0.0
 
@@ -66,7 +68,10 @@ class SpeculativeStep:
         num_draft = [self.num_draft(s) for s in seqs]
         behind = self.proposer.behind(seqs)
         if self.chooser is not None:
-            num_draft = self.chooser.plan([s.seq_id for s in seqs], num_draft, behind)
+            num_draft = self.chooser.plan([s.seq_id for s in seqs], num_draft, behind,
+                                          [s.remaining_tokens() for s in seqs])
+            if not any(num_draft):
+                return self._plain_round(seqs)
         t0 = time.perf_counter()
         proposal = None
         try:
@@ -97,6 +102,21 @@ class SpeculativeStep:
             caught_up = sum(t for t, k in zip(behind, sent) if k > 0)
             self.chooser.observe([s.seq_id for s in seqs], sent, accepted, t1 - t0, t2 - t1, caught_up)
         self.proposer.observe(seqs, lens, accepted, proposal)
+
+    def _plain_round(self, seqs: list[Sequence]) -> None:
+        """auto chose no draft for anyone: an AR step (the draft sits out and catches up later)."""
+        self.proposer.skip(seqs)
+        lens = [len(s) for s in seqs]
+        before = [len(s.output_token_ids) for s in seqs]
+        t0 = time.perf_counter()
+        self._ar.decode(seqs)
+        t1 = time.perf_counter()
+        self.proposer.observe(seqs, lens, [0] * len(seqs), Proposal([[] for _ in seqs], [None] * len(seqs)))
+        self.counters.rounds += 1
+        self.counters.verify_s += t1 - t0
+        self.counters.record_choice([0] * len(seqs), self.chooser.predicted_tokens, self.chooser.predicted_s,
+                                    sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before)), t1 - t0)
+        self.chooser.observe([s.seq_id for s in seqs], [0] * len(seqs), [0] * len(seqs), 0.0, t1 - t0)
 
     def _count(self, seqs: list[Sequence], proposal: Proposal, before: list[int], wait_s: float,
                verify_s: float) -> None:
