@@ -32,7 +32,7 @@ demo: kernels
 		--escapes --prompt 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
 	$(VENV)/bin/ssd generate --chat --max-tokens 96 --temperature 0 --metrics --draft qwen2.5-coder-0.5b \
 		--mode ssd --threads 1 --prompt 'Explain in two sentences what a KV cache is.'
-	$(VENV)/bin/ssd bench --quick --modes ar,sd,ssd --threads 1 --out-dir build/demo-bench
+	$(VENV)/bin/ssd bench --quick --modes ar,sd,ssd,auto --threads 1 --out-dir build/demo-bench
 
 clean-venv:
 	rm -rf $(VENV)

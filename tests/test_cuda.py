@@ -43,7 +43,7 @@ def ar_cpu(tiny_pair):
 @pytest.mark.parametrize("mode", ["ar", "sd"])
 def test_target_on_cuda_matches_cpu(tiny_pair, ar_cpu, mode):
     target, draft = tiny_pair
-    kw = dict(draft=str(draft), k=3) if mode == "sd" else {}
+    kw = dict(mode="sd", draft=str(draft), k=3) if mode == "sd" else {}
     llm = LLM(str(target), device="cuda:0", dtype="float32", progress=False, **kw)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_cpu
 

@@ -45,7 +45,8 @@ def test_batched_mixed_lengths_equal_one_at_a_time(ar, ar_outputs):
 @pytest.mark.parametrize("draft", ["other", "self"])
 def test_sd_greedy_equals_ar(tiny_pair, ar_outputs, k, draft):
     target, other = tiny_pair
-    sd = LLM(str(target), draft=str(other if draft == "other" else target), k=k, dtype="float32", progress=False)
+    sd = LLM(str(target), mode="sd", draft=str(other if draft == "other" else target), k=k, dtype="float32",
+             progress=False)
     outs = sd.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == ar_outputs
     rate = sd.last_stats["acceptance_rate"]
@@ -55,7 +56,7 @@ def test_sd_greedy_equals_ar(tiny_pair, ar_outputs, k, draft):
 def test_sd_with_int8_draft_equals_ar(tiny_pair, ar_outputs):
     """The draft's numerics (int8 here) change acceptance, never the tokens."""
     target, _ = tiny_pair
-    sd = LLM(str(target), draft=str(target), k=3, dtype="float32", draft_dtype="int8", progress=False)
+    sd = LLM(str(target), mode="sd", draft=str(target), k=3, dtype="float32", draft_dtype="int8", progress=False)
     assert sd.draft_dtype == "int8"
     assert [o.token_ids for o in sd.generate(PROMPTS, GREEDY)] == ar_outputs
     assert 0.5 < sd.last_stats["acceptance_rate"] <= 1.0
@@ -63,7 +64,7 @@ def test_sd_with_int8_draft_equals_ar(tiny_pair, ar_outputs):
 
 def test_sd_spec_max_batch_decodes_big_batches_autoregressively(tiny_pair, ar_outputs):
     target, _ = tiny_pair
-    sd = LLM(str(target), draft=str(target), k=3, dtype="float32", spec_max_batch=2, progress=False)
+    sd = LLM(str(target), mode="sd", draft=str(target), k=3, dtype="float32", spec_max_batch=2, progress=False)
     outs = sd.generate(PROMPTS, GREEDY)                        # 5 sequences > 2: plain decode rounds
     assert [o.token_ids for o in outs] == ar_outputs
     assert all(o.metrics.target_forwards == GREEDY.max_tokens - 1 for o in outs)   # one token per forward
@@ -103,7 +104,7 @@ def test_seed_reproducible_regardless_of_batch_mates(ar):
 
 def test_seed_reproducible_in_sd(tiny_pair):
     target, draft = tiny_pair
-    sd = LLM(str(target), draft=str(draft), k=3, dtype="float32", progress=False)
+    sd = LLM(str(target), mode="sd", draft=str(draft), k=3, dtype="float32", progress=False)
     p = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
     a = sd.generate(["hello", "abc"], p)
     b = sd.generate(["abc", "hello"], p)
@@ -201,7 +202,7 @@ def test_vocab_mismatch_is_refused(tiny_pair, tmp_path):
     tok.save_pretrained(str(tmp_path))
     assert len(AutoTokenizer.from_pretrained(str(tmp_path))) > len(AutoTokenizer.from_pretrained(str(tiny_pair[0])))
     with pytest.raises(VocabMismatchError, match="tokenizers differ"):
-        LLM(str(tiny_pair[0]), draft=str(tmp_path), progress=False)
+        LLM(str(tiny_pair[0]), mode="sd", draft=str(tmp_path), progress=False)
 
 
 def test_sd_spec_max_batch_catches_up_when_the_batch_shrinks(tiny_pair):
@@ -212,7 +213,7 @@ def test_sd_spec_max_batch_catches_up_when_the_batch_shrinks(tiny_pair):
     prompts = ["hello world", "abc abc", "x y z"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 30, 30)]
     ref = [o.token_ids for o in LLM(str(target), dtype="float32", progress=False).generate(prompts, params)]
-    sd = LLM(str(target), draft=str(draft), k=3, dtype="float32", spec_max_batch=2, progress=False)
+    sd = LLM(str(target), mode="sd", draft=str(draft), k=3, dtype="float32", spec_max_batch=2, progress=False)
     outs = sd.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
     assert outs[1].metrics.target_forwards < 29           # it speculated after the batch shrank

@@ -18,7 +18,7 @@ def test_q8_0_load_time_quantization_sd_equals_ar(tiny_pair):
     assert "Q8_0" in ar.target.dtype_name and "lossy" in ar.target.dtype_name
     ref = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
     for d in (target, draft):
-        sd = LLM(str(target), draft=str(d), dtype="q8_0", k=3, progress=False)
+        sd = LLM(str(target), mode="sd", draft=str(d), dtype="q8_0", k=3, progress=False)
         assert [o.token_ids for o in sd.generate(PROMPTS, GREEDY)] == ref
 
 
@@ -82,7 +82,7 @@ def test_sd_with_4bit_draft_equals_ar(tiny_pair):
     target, _ = tiny_pair
     ar = LLM(str(target), dtype="q8_0", progress=False)
     ref = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
-    sd = LLM(str(target), draft=str(target), dtype="q8_0", draft_dtype="q4_1", k=3, progress=False)
+    sd = LLM(str(target), mode="sd", draft=str(target), dtype="q8_0", draft_dtype="q4_1", k=3, progress=False)
     assert "Q4_1" in sd.draft.dtype_name
     assert [o.token_ids for o in sd.generate(PROMPTS, GREEDY)] == ref
     assert sd.last_stats["acceptance_rate"] < 1.0       # the 4-bit draft is an approximation

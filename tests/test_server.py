@@ -23,7 +23,7 @@ NO_EOS = {"ignore_eos": True}
 def tiny_llm(tiny_pair, mode: str = "ar") -> LLM:
     target, draft = tiny_pair
     if mode == "sd":
-        return LLM(str(target), draft=str(draft), k=3, dtype="float32", progress=False)
+        return LLM(str(target), mode="sd", draft=str(draft), k=3, dtype="float32", progress=False)
     return LLM(str(target), dtype="float32", progress=False)
 
 

@@ -18,7 +18,7 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--mode", choices=["ar", "sd", "ssd", "auto"], default=None,
                    help="ar, sd (draft then verify), ssd (draft worker on its own core/device pre-drafts while "
                    "the target verifies) or auto (in-process draft; picks each request's draft length, 0 = a "
-                   "plain target step, every round from measured costs); default: sd with a draft, else ar")
+                   "plain target step, every round from measured costs); default: auto with a draft, else ar")
     g.add_argument("--k", type=int, default=4, help="draft tokens per speculation round (default %(default)s)")
     g.add_argument("--spec-max-batch", type=int, default=None,
                    help="sd/ssd: speculate only while at most this many sequences decode together; larger "

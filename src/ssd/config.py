@@ -10,7 +10,7 @@ MODES = ("ar", "sd", "ssd", "auto")
 class EngineConfig:
     model: str = "qwen2.5-coder-1.5b"
     draft: str | None = None
-    mode: str | None = None              # None: "sd" when a draft is given, else "ar"
+    mode: str | None = None              # None: "auto" when a draft is given, else "ar"
     k: int = 4                           # draft tokens per speculation round
     device: str = "cpu"
     draft_device: str | None = None      # default: same as device
@@ -41,7 +41,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.mode is None:
-            self.mode = "sd" if self.draft else "ar"
+            self.mode = "auto" if self.draft else "ar"
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.mode != "ar" and not self.draft:
