@@ -23,7 +23,10 @@ Messages = list[dict]
 
 
 class LLM:
-    """LLM(model="qwen2.5-coder-1.5b", draft=None, mode="ar"|"sd", k=4, device="cpu", threads=None, ...)
+    """LLM(model="qwen2.5-coder-1.5b", draft=None, mode=None, k=4, device="cpu", threads=None, ...)
+
+    mode: "ar" | "sd" | "ssd" | "auto"; None means "auto" when a draft is given (or implied by a
+    built-in target in a speculative mode), else "ar".
 
     `model`/`draft` accept a built-in name (see `ssd models list`), an HF folder, a GGUF file or a hub id.
     """
