@@ -8,15 +8,15 @@ import torch
 from ssd.engine.model_runner import ModelRunner
 from ssd.models.loader import load_model
 from ssd.speculation.worker import messages as m
-from ssd.speculation.worker.worker import DraftWorker, chain_regions, scratch_blocks
+from ssd.speculation.worker.worker import DraftWorker, pool_size
 
 
 class LocalDraftClient:
     def __init__(self, draft_path, k: int, predraft: bool = True, tamper=None, stop_after_steps: int | None = None,
                  num_blocks: int = 512, max_num_seqs: int = 16, target_vocab: int | None = None, **worker_kw):
         lm = load_model(str(draft_path), "float32", "cpu", 512, progress=False)
-        regions = chain_regions(max_num_seqs, 8)
-        runner = ModelRunner(lm.model, num_blocks + scratch_blocks(regions, k, 16) + 1, 16, torch.device("cpu"))
+        blocks, regions = pool_size(num_blocks, k, 16, max_num_seqs, 8)
+        runner = ModelRunner(lm.model, blocks, 16, torch.device("cpu"))
         self.worker = DraftWorker(runner, target_vocab or lm.config.vocab_size, k, num_regions=regions, **worker_kw)
         self.predraft = predraft
         self.tamper = tamper

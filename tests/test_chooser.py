@@ -40,16 +40,15 @@ def test_lower_k_when_acceptance_drops_and_per_sequence_choices():
 
 
 def test_hysteresis_keeps_the_plan_unless_clearly_better():
-    ch = Chooser(k=4)
-    ch.cost = model(b=0.05, c=0.1, d=0.01)
-    ch.per_seq[1] = AcceptanceEstimate(0.9, strength=1000)
-    first = ch.plan([1], [4])
-    best_k = first[0]
-    ch.last[1] = max(best_k - 1, 0)               # a nearly-as-good plan in place: kept
-    near = rate([ch.last[1]], [0.9], ch.cost) * 1.03 > rate([best_k], [0.9], ch.cost)
-    assert ch.plan([1], [4]) == ([ch.last[1]] if near else [best_k])
-    ch.last[1] = 0                                # a much worse plan in place: replaced
-    assert ch.plan([1], [4]) == [best_k]
+    m = model(b=0.05, c=0.1, d=0.01)
+    assert best_plan([0.9], [4], m) == [4]
+    assert rate([4], [0.9], m) / rate([3], [0.9], m) == pytest.approx(1.078, abs=1e-3)   # K=4 is 7.8% better
+    for hysteresis, want in ((0.10, [3]), (0.03, [4])):
+        ch = Chooser(k=4, hysteresis=hysteresis)
+        ch.cost = m
+        ch.per_seq[1] = AcceptanceEstimate(0.9, strength=1e6)
+        ch.last[1] = 3                            # K=3 in place: kept within 10%, replaced beyond 3%
+        assert ch.plan([1], [4]) == want
 
 
 def test_a_draft_far_behind_is_charged_its_catch_up_over_the_rest_of_the_request():

@@ -15,7 +15,6 @@ from ssd.speculation.verifier import align_vocab
 
 class DraftProposer:
     name = "draft"
-    lookahead_kv = True
 
     def __init__(self, draft: ModelRunner, vocab: int, tracer, lazy: bool = False):
         self.draft, self.vocab, self.tracer = draft, vocab, tracer

@@ -30,7 +30,6 @@ class Proposal:
 
 class Proposer(Protocol):
     name: str                                   # "draft" (SD) | "worker" (SSD)
-    lookahead_kv: bool                          # True: the engine's scheduler also manages its KV
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Before the target's prefill of `seqs` (new, or recomputed after a preemption)."""

@@ -77,8 +77,7 @@ class SpecCounters:
 
     def snapshot(self) -> SpecSnapshot:
         vals = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "started"}
-        vals["hits_by_k"], vals["misses_by_k"] = tuple(self.hits_by_k), tuple(self.misses_by_k)
-        vals["rows_by_num_draft"] = tuple(self.rows_by_num_draft)
+        vals = {k: tuple(v) if isinstance(v, list) else v for k, v in vals.items()}
         return SpecSnapshot(**vals, wall_s=time.perf_counter() - self.started)
 
 

@@ -14,7 +14,6 @@ _SPAN_NAMES = {m.SpanKind.ANSWER: "answer", m.SpanKind.PREDRAFT: "predraft", m.S
 
 class WorkerProposer:
     name = "worker"
-    lookahead_kv = False          # the worker manages its own KV pool
 
     def __init__(self, client: DraftClient):
         self.client = client

@@ -24,7 +24,7 @@ from ssd.speculation.fanout import AcceptanceEstimator, MissCurveEstimator, geom
 from ssd.speculation.worker.cache import SpeculationCache, candidate_outcomes, ranked_tokens
 from ssd.speculation.worker.drafting import Drafter, Job, WorkerSeq
 from ssd.speculation.worker.messages import Add, Reply, Request, Source, SpanKind
-from ssd.speculation.worker.policy import EMA, BackupPolicy, BudgetPolicy
+from ssd.speculation.worker.policy import BackupPolicy, BudgetPolicy
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,13 @@ def chain_regions(max_num_seqs: int, chains_per_seq: int) -> int:
     """Scratch regions for a whole batch: every sequence of a full batch gets chains_per_seq chains;
     small batches may use more each (at least 64 regions in all)."""
     return max(64, max_num_seqs * chains_per_seq)
+
+
+def pool_size(num_blocks: int, k: int, block_size: int, max_num_seqs: int, chains_per_seq: int) -> tuple[int, int]:
+    """(KV blocks, chain regions) of a worker: the target's block count for sequences plus the chain
+    pool's pinned scratch regions (sized for a full batch)."""
+    regions = chain_regions(max_num_seqs, chains_per_seq)
+    return num_blocks + scratch_blocks(regions, k, block_size) + 1, regions
 
 
 class DraftWorker:
@@ -59,12 +66,11 @@ class DraftWorker:
             self.budget.step_s, self.budget.row_cost = self.drafter.calibrate()
         self.acceptance = AcceptanceEstimator()   # per-token acceptance a, measured online
         self.miss_curve = MissCurveEstimator()    # miss(F) = F^-r, r measured online
-        self.jit_s = EMA(0.0)
         self.seqs: dict[int, WorkerSeq] = {}
         self.no_room: set[int] = set()            # dropped for lack of KV room; told on their next request
         self.busy_s = 0.0
         self.spans: list[tuple[SpanKind, float, float]] = []
-        self.stats = {"hits": 0, "misses": 0, "partial_hits": 0, "no_room": 0}
+        self.stats = {"no_room": 0}               # sequences dropped for lack of room (the engine counts the rest)
 
     @property
     def vocab(self) -> int:
@@ -135,9 +141,7 @@ class DraftWorker:
                     s.spec, s.dists, s.source = list(fast), {}, "fast"
                     replies.append(Reply(s.seq_id, Source.FAST, s.spec))
                     continue
-                partial = chain is not None and chain.tokens and self._adopt(s, chain)
-                if partial:                       # keep what was pre-drafted, draft the rest now
-                    self.stats["partial_hits"] += 1
+                partial = chain is not None and chain.tokens and self._adopt(s, chain)   # keep what was pre-drafted
                 job = Job(s, rnd, r.accepted, r.bonus, len(s.ctx) - 1, r.num_draft, chain if partial else None)
                 if not self._reserve(s, job.pos + r.num_draft):
                     replies.append(Reply(s.seq_id, Source.NO_ROOM, []))
@@ -147,8 +151,7 @@ class DraftWorker:
         if jit:
             t_jit = time.perf_counter()
             chains, _ = self.drafter.draft([j for _, j in jit], main=True)
-            self.jit_s.update(time.perf_counter() - t_jit)
-            self.backup.jit_s.value = self.jit_s.value
+            self.backup.jit_s.update(time.perf_counter() - t_jit)
             for (i, job), c in zip(jit, chains):
                 s = job.seq
                 s.spec, s.source = c.tokens, "neural"
@@ -181,7 +184,6 @@ class DraftWorker:
         if not s.spec:
             return
         if r.num_draft:
-            self.stats["hits" if hit else "misses"] += 1
             self.backup.observe_round(s.source, r.accepted + 1, hit)
         self.acceptance.observe(r.accepted, len(s.spec))
         if r.accepted in s.dists:
