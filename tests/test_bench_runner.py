@@ -214,3 +214,67 @@ def test_ssd_mode_reports_cache_metrics(tiny_pair, tmp_path):
     md = paths["md"].read_text()
     assert "SSD speculation cache" in md and "draft busy" in md and "| code | ssd |" in md
     assert paths["png_timeline"].read_bytes().startswith(PNG_MAGIC)
+
+
+def test_engine_specs_and_rotation():
+    from ssd.bench.engine_runs import engine_specs, rotation
+
+    specs = engine_specs(["sd", "auto", "ar", "ssd"], [2, 4])
+    assert [(s.label, s.mode, s.k) for s in specs] == [
+        ("ar", "ar", 2), ("sd k=2", "sd", 2), ("sd k=4", "sd", 4), ("auto k<=4", "auto", 4),
+        ("ssd k=2", "ssd", 2), ("ssd k=4", "ssd", 4)]
+    assert [s.label for s in engine_specs(["auto"], [3])] == ["auto"]
+    labels = ["a", "b", "c"]
+    orders = [rotation(labels, t) for t in range(6)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] and orders[3] == orders[0]
+    firsts = [o[0] for o in orders]
+    assert all(firsts.count(x) == 2 for x in labels)        # every configuration goes first equally often
+
+
+def test_interleaved_batch_sweep(tiny_pair, tmp_path, monkeypatch):
+    """Two batch sizes with the engines alive at once: runs alternate per batch, entries are per
+    (configuration, batch size, dataset), greedy stays exact, and the report has the by-batch plot
+    and the auto-vs-best table."""
+    import ssd.bench.engine_runs as er
+
+    calls = []
+    real = er.run_chunk
+    monkeypatch.setattr(er, "run_chunk", lambda llm, cell, chunk, plist: (
+        calls.append((llm.config.mode, len(chunk))), real(llm, cell, chunk, plist)))
+    cfg = _cfg(tiny_pair, tmp_path, modes=["ar", "sd", "auto"], k=2, batch_size=[1, 2], bandwidth=False,
+               warmup=False, prompts={"code": PROMPTS["code"]})
+    res = run_bench(cfg)
+    # batch 1: two batches, each over the 3 engines, in rotating order; batch 2: one batch
+    assert calls[:3] == [("ar", 1), ("sd", 1), ("auto", 1)]
+    assert calls[3:6] == [("sd", 1), ("auto", 1), ("ar", 1)]
+    assert [m for m, n in calls[6:]] == ["auto", "ar", "sd"] and all(n == 2 for _, n in calls[6:])
+    cells = [(r["label"], r["batch_size"]) for r in res["runs"]]
+    assert cells == [("ar", 1), ("ar", 2), ("sd", 1), ("sd", 2), ("auto", 1), ("auto", 2)]
+    assert all(r["matches_ar"] == 1.0 for r in res["runs"] if r["mode"] != "ar")
+    assert all(r["num_prompts"] == 2 for r in res["runs"])
+    assert res["config"]["interleaved"] is True and res["config"]["batch_size"] == [1, 2]
+    assert set(res["summary_by_batch_size"]) == {"1", "2"} and "summary" not in res
+    assert "auto_plain_round_share" in [r for r in res["runs"] if r["mode"] == "auto"][0]
+    paths = write_bench_report(res, tmp_path, "sweep")
+    assert paths["png_by_batch_size"].read_bytes()[:8] == PNG_MAGIC
+    md = paths["md"].read_text()
+    assert "Batch size 2:" in md and "auto against the best fixed configuration" in md
+    assert "| code | 2 | sd |" in md
+
+
+def test_auto_vs_best_picks_the_best_fixed_cell():
+    from ssd.bench.summary import auto_vs_best
+
+    runs = [{"dataset": "c", "mode": m, "label": lab, "batch_size": 1, "decode_tokens_per_s": v}
+            for m, lab, v in [("ar", "ar", 10.0), ("sd", "sd k=2", 14.0), ("sd", "sd k=4", 12.0),
+                              ("auto", "auto k<=4", 13.3), ("hf", "hf", 99.0)]]
+    (row,) = auto_vs_best(runs)
+    assert row["best_fixed"] == "sd k=2" and row["auto_vs_best"] == pytest.approx(0.95)   # peers are not ours
+
+
+def test_mixed_prompt_set_alternates_code_and_chat():
+    from ssd.bench.datasets import load_prompts
+
+    ps = load_prompts("mixed", 5)
+    assert [p.dataset for p in ps] == ["humaneval", "mtbench", "humaneval", "mtbench", "humaneval"]
+    assert [p.id for p in ps[::2]] == [p.id for p in load_prompts("humaneval", 3)]

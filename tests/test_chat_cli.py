@@ -80,3 +80,16 @@ def test_reset_and_context_overflow(llm):
             {"role": "user", "content": "hi"}]
     assert answers[2] == llm.chat(conv, greedy(4))[0].text                # the failed turn left no trace
     assert "history cleared" in err.getvalue() and "max_model_len" in err.getvalue()
+
+
+def test_generate_metrics_explain_auto(tiny_pair, capsys):
+    """`ssd generate --mode auto --metrics` names the chooser's decisions and predicted vs measured tok/s."""
+    from ssd.cli import main
+
+    rc = main(["generate", "--model", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--mode", "auto", "--k", "3",
+               "--dtype", "float32", "--temperature", "0", "--max-tokens", "12", "--ignore-eos", "--metrics",
+               "--prompt", "def f(x):"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("[auto]")][0]
+    assert "auto: plain rounds" in line and "draft length per row" in line and "predicted" in line, line

@@ -547,3 +547,28 @@ def test_ssd_server_under_a_small_kv_cache_stays_ssd(tiny_pair, ref):
                 sum(metric(srv, "ssd_spec_cache_misses_total", k=str(j)) for j in range(4)) > 0
     finally:
         llm.close()
+
+
+def test_auto_server_explains_its_choices(tiny_pair, ref):
+    """mode auto: greedy answers equal AR, the `ssd` object has the plain-round share, and the
+    Prometheus auto metrics agree with the engine's counters (rows by chosen draft length, plain
+    rounds, predicted vs measured tokens/s)."""
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="auto", k=3, dtype="float32", progress=False, kv_cache_gb=0.05)
+    with BackgroundServer(build_app(llm)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        name = client.models.list().data[0].id
+        for prompt in PROMPTS[:3]:
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0, extra_body=NO_EOS)
+            assert r.choices[0].text == ref.generate(prompt, greedy(16))[0].text
+            ext = r.model_extra["ssd"]
+            by_n = ext["rounds_by_num_draft"]
+            assert ext["mode"] == "auto" and sum(by_n) == ext["target_forwards"]
+            assert ext["plain_round_share"] == pytest.approx(by_n[0] / sum(by_n))
+        wait_idle(srv)
+        stats = llm.engine.spec_metrics()
+        d = stats.to_dict()
+        assert metric(srv, "ssd_auto_plain_rounds_total") == stats.plain_rounds
+        assert sum(metric(srv, "ssd_auto_rows_total", num_draft=str(j)) for j in range(4)) == sum(stats.rows_by_num_draft)
+        assert metric(srv, "ssd_auto_predicted_tokens_per_second") == pytest.approx(d["auto_predicted_tokens_per_s"])
+        assert metric(srv, "ssd_auto_measured_tokens_per_second") == pytest.approx(d["auto_measured_tokens_per_s"])

@@ -97,6 +97,24 @@ def format_metrics(m) -> str:
     return " | ".join(parts)
 
 
+def format_decisions(delta) -> str:
+    """SSD's cache hit rate and auto's choices over a SpecSnapshot difference ('' when neither applies)."""
+    d = delta.to_dict()
+    parts = []
+    if delta.cache_hit_rate is not None:
+        parts.append(f"cache hit rate {delta.cache_hit_rate:.2f}")
+    rows = d.get("auto_rows_by_num_draft")
+    if rows and sum(rows):
+        share = d.get("auto_plain_round_share")
+        hist = " ".join(f"{k}:{n}" for k, n in enumerate(rows) if n)
+        parts.append(f"auto: plain rounds {share:.0%}, draft length per row {hist}" if share is not None
+                     else f"auto: draft length per row {hist}")
+        pred, meas = d.get("auto_predicted_tokens_per_s"), d.get("auto_measured_tokens_per_s")
+        if pred and meas:
+            parts.append(f"predicted {pred:.1f} vs measured {meas:.1f} tok/s")
+    return " | ".join(parts)
+
+
 def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     prompt = prompt.encode().decode("unicode_escape") if args.escapes else prompt
@@ -119,10 +137,9 @@ def cmd_generate(args) -> int:
         print(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
     llm.close()
     if args.metrics and final is not None:
-        extra = ""
-        hit = llm.engine.spec_metrics().cache_hit_rate     # SSD: this request's rounds (one request ran)
-        if hit is not None:
-            extra = f" | cache hit rate {hit:.2f}"
+        # this request's rounds (one request ran; the warm-up-free engine counted only these)
+        extra = format_decisions(llm.engine.spec_metrics())
+        extra = f" | {extra}" if extra else ""
         print(f"[{llm.config.mode}] {format_metrics(final.metrics)}{extra} | finish: {final.finish_reason}",
               file=sys.stderr)
     return 0
@@ -211,14 +228,17 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
             # those seen after the previous answer; one request runs at a time). n/a outside SSD, after a
             # worker failure, or when no round could hit (the first round after prefill never can).
             now = llm.engine.spec_metrics()
-            hit = now.delta(seen).cache_hit_rate
+            delta = now.delta(seen)
+            hit = delta.cache_hit_rate
             seen = now
             mode = llm.config.mode
             if getattr(llm.engine, "degraded_from", None):
                 mode = f"{llm.engine.degraded_from} -> {llm.engine.mode}: draft worker failed"
             if final is not None:
+                auto = format_decisions(delta) if llm.config.mode == "auto" else ""
                 err.write(f"[{mode}] {format_metrics(final.metrics)} | cache hit rate "
-                          f"{'n/a' if hit is None else f'{hit:.2f}'} | finish: {final.finish_reason}\n")
+                          f"{'n/a' if hit is None else f'{hit:.2f}'}{' | ' + auto if auto else ''} | "
+                          f"finish: {final.finish_reason}\n")
 
 
 def cmd_chat(args) -> int:

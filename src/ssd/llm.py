@@ -13,6 +13,7 @@ from ssd.engine.engine import LLMEngine
 from ssd.engine.trace import Tracer
 from ssd.engine.model_runner import ModelRunner
 from ssd.models.loader import LoadedModel, draft_dtype_for, load_model
+from ssd.models.sharing import load_cached
 from ssd.outputs import RequestMetrics, RequestOutput, StreamChunk, aggregate
 from ssd.sampling_params import SamplingParams
 from ssd.speculation.compat import check_vocab_compatible
@@ -36,7 +37,7 @@ class LLM:
         self._ssd_cpu_split(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.target = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.progress)
+        self.target = load_cached(load_model, cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.progress)
         self.tokenizer = self.target.tokenizer
         mcfg = self.target.config
         self.max_model_len = min(cfg.max_model_len, mcfg.max_position_embeddings)
@@ -50,7 +51,7 @@ class LLM:
         if cfg.mode == "ssd":
             draft_client = self._start_worker(target_runner)
         elif cfg.mode != "ar":
-            self.draft = load_model(cfg.draft, self.draft_dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
+            self.draft = load_cached(load_model, cfg.draft, self.draft_dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
                                     cfg.progress)
             check_vocab_compatible(self.tokenizer, self.draft.tokenizer, mcfg.vocab_size,
                                    self.draft.config.vocab_size)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ssd.bench.datasets import DATASETS
+from ssd.bench.datasets import DATASETS, PROMPT_SETS
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,19 @@ def add_bench_parser(sub, engine_args: Callable[..., None]) -> argparse.Argument
                    help=f"comma list of our modes to run (default {DEFAULTS['modes']})")
     g.add_argument("--k", type=_int_list, default=[4],
                    help="draft tokens per round; a comma list (e.g. 2,4,8) sweeps it (default 4)")
-    g.add_argument("--datasets", default=None, help=f"comma list from {', '.join(DATASETS)} (default: all)")
+    g.add_argument("--datasets", default=None, help=f"comma list from {', '.join(PROMPT_SETS)} (default: all but mixed; mixed "
+                        "alternates humaneval and mtbench prompts in one batch)")
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"prompts per dataset (default {DEFAULTS['num_prompts']})")
     g.add_argument("--max-tokens", type=int, default=None,
                    help=f"tokens generated per prompt, EOS ignored (default {DEFAULTS['max_tokens']})")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
-    g.add_argument("--batch-size", type=int, default=1,
-                   help="concurrent requests per generate call (default %(default)s: one prompt at a time)")
+    g.add_argument("--batch-size", "--batch-sizes", type=_int_list, default=[1],
+                   help="concurrent requests per generate call; a comma list (e.g. 1,4,8) runs each with the "
+                        "same engines and adds a plot by batch size (default 1: one prompt at a time)")
+    g.add_argument("--no-interleave", action="store_true",
+                   help="run the configurations one after another (one engine in memory at a time) instead of "
+                        "alternating them batch by batch (the default: run order then cannot bias the comparison)")
     g.add_argument("--peers", default=None,
                    help="comma list of transformers peers: hf, hf-assisted (default: none)")
     g.add_argument("--peer-assistant-tokens", type=int, default=None,
@@ -98,7 +103,7 @@ def config_from_args(args):
     return BenchConfig(
         model=args.model, draft=args.draft, modes=pick("modes"), k=args.k, datasets=pick("datasets"),
         num_prompts=pick("num_prompts"), max_tokens=pick("max_tokens"), temperature=args.temperature,
-        batch_size=args.batch_size, threads=args.threads, prefill_threads=args.prefill_threads,
+        batch_size=args.batch_size, interleave=not args.no_interleave, threads=args.threads, prefill_threads=args.prefill_threads,
         spec_max_batch=args.spec_max_batch, dtype=args.dtype, device=args.device, draft_device=args.draft_device,
         draft_dtype=args.draft_dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, seed=args.seed, placement=args.placement, peers=pick("peers"),
         peer_assistant_tokens=args.peer_assistant_tokens,

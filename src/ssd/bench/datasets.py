@@ -29,6 +29,10 @@ Selection is deterministic:
   first ``max(n, SHAREGPT_POOL)`` eligible conversations (so only a few MB of the file are read;
   the prefix property holds while ``n <= SHAREGPT_POOL``).
 
+``mixed`` (in :data:`PROMPT_SETS`, not a file of its own) alternates HumanEval and MT-Bench
+prompts (code first): ``ceil(n/2)`` of one and ``floor(n/2)`` of the other, selected as above. A
+batch of it holds requests whose best draft length differs (code accepts far more than chat).
+
 ``n=None`` returns the whole pool (for ShareGPT: every decodable conversation, reading the file
 to its end). Asking for more prompts than exist raises :class:`ValueError`.
 """
@@ -48,6 +52,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DATASETS: tuple[str, ...] = ("humaneval", "gsm8k", "mtbench", "sharegpt")
+MIXED = "mixed"                                  # humaneval and mtbench, alternating
+PROMPT_SETS: tuple[str, ...] = DATASETS + (MIXED,)
 
 GSM8K_INSTRUCTION = "Let's think step by step, then give the final answer on the last line."
 SHAREGPT_MAX_CHARS = 2000
@@ -228,6 +234,11 @@ _READERS = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mtbench": _mtbench, "shar
 
 def load_prompts(name: str, n: int | None, seed: int | None = 0) -> list[BenchPrompt]:
     """``n`` prompts of prompt set ``name`` (see the module docstring for the selection rule)."""
+    if name == MIXED:
+        if n is None:
+            raise ValueError("the mixed prompt set needs a prompt count n")
+        code, chat = load_prompts("humaneval", (n + 1) // 2, seed), load_prompts("mtbench", n // 2, seed)
+        return [p for pair in zip(code, chat + [None]) for p in pair if p is not None][:n]
     path = dataset_file(name)
     if n is not None and (not isinstance(n, int) or n < 0):
         raise ValueError(f"n must be a non-negative integer or None, got {n!r}")

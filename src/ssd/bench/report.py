@@ -97,7 +97,8 @@ def _ordered_runs(runs: Iterable[dict]) -> list[dict]:
         i, r = ir
         mode = r.get("mode")
         mode_rank = MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
-        return (datasets.index(r.get("dataset")), mode_rank, i)
+        bs = r.get("batch_size")
+        return (bs is not None, bs or 0, datasets.index(r.get("dataset")), mode_rank, i)
 
     return [r for _, r in sorted(enumerate(runs), key=key)]
 
@@ -106,13 +107,14 @@ def _ar_baselines(runs: list[dict], field: str) -> dict[Any, float]:
     base: dict[Any, float] = {}
     for r in runs:
         v = _num(r.get(field))
-        if r.get("mode") == "ar" and v and r.get("dataset") not in base:
-            base[r.get("dataset")] = v
+        key = (r.get("dataset"), r.get("batch_size"))
+        if r.get("mode") == "ar" and v and key not in base:
+            base[key] = v
     return base
 
 
 def _ratio(run: dict, base: dict[Any, float], field: str) -> str:
-    v, b = _num(run.get(field)), base.get(run.get("dataset"))
+    v, b = _num(run.get(field)), base.get((run.get("dataset"), run.get("batch_size")))
     return _DASH if v is None or not b else f"{v / b:.2f}x"
 
 
@@ -126,15 +128,16 @@ def markdown_table(result: dict) -> str:
     tps_base = _ar_baselines(runs, "tokens_per_s")
     dec_base = _ar_baselines(runs, "decode_tokens_per_s")
 
-    header = ["dataset", "mode", "prompts", "tokens", "tok/s", "tok/s median", "x AR"]
+    batched = len({r.get("batch_size") for r in runs}) > 1
+    header = ["dataset"] + (["batch"] if batched else []) + ["mode", "prompts", "tokens", "tok/s", "tok/s median",
+                                                             "x AR"]
     if has_decode:
         header += ["decode tok/s", "decode x AR"]
     header += ["accept rate", "tokens/target fwd", "TTFT ms median"]
-    aligns = ["---", "---"] + ["---:"] * (len(header) - 2)
+    aligns = ["---"] + (["---:"] if batched else []) + ["---"] + ["---:"] * (len(header) - 2 - batched)
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(aligns) + " |"]
     for r in runs:
-        row = [
-            str(r.get("dataset", "?")),
+        row = [str(r.get("dataset", "?"))] + ([str(r.get("batch_size", _DASH))] if batched else []) + [
             _label(r),
             str(r.get("num_prompts", _DASH)),
             str(r.get("generated_tokens", _DASH)),
@@ -211,7 +214,8 @@ def _markdown_report(result: dict, stem: str, images: dict[str, Path]) -> str:
              "included); decode tok/s excludes the prefill; x AR: ratio to our autoregressive "
              "run on the same dataset; accept rate: accepted / proposed draft tokens; "
              "tokens/target fwd: mean accepted length, generated tokens per target forward.", ""]
-    titles = {"png_tokens_per_s": "Throughput", "png_acceptance_by_position": "Acceptance by draft position"}
+    titles = {"png_tokens_per_s": "Throughput", "png_acceptance_by_position": "Acceptance by draft position",
+              "png_by_batch_size": "Throughput by batch size"}
     for key, path in images.items():
         parts += [f"## {titles.get(key, key)}", "", f"![{titles.get(key, key)}]({path.name})", ""]
     return "\n".join(parts)
@@ -226,9 +230,13 @@ def _plot_tokens_per_s(runs: list[dict], path: Path, title: str) -> bool:
     runs = [r for r in runs if _num(r.get("tokens_per_s")) is not None]
     if not runs:
         return False
-    datasets = list(dict.fromkeys(r.get("dataset") for r in runs))
+    batched = len({r.get("batch_size") for r in runs}) > 1
+
+    def group(r):
+        return f"{r.get('dataset')} b{r.get('batch_size')}" if batched else r.get("dataset")
+    datasets = list(dict.fromkeys(group(r) for r in runs))
     labels = list(dict.fromkeys(_label(r) for r in runs))
-    value = {(r.get("dataset"), _label(r)): _num(r.get("tokens_per_s")) for r in runs}
+    value = {(group(r), _label(r)): _num(r.get("tokens_per_s")) for r in runs}
     fig = Figure(figsize=(max(6.0, 1.5 + len(datasets) * (0.6 + 0.4 * len(labels))), 4.5))
     ax = fig.add_subplot()
     width = 0.8 / len(labels)
@@ -256,6 +264,8 @@ def _plot_acceptance(runs: list[dict], path: Path, title: str) -> bool:
     runs = [r for r in runs if r.get("acceptance_by_position")]
     if not runs:
         return False
+    smallest = min((r.get("batch_size") or 1) for r in runs)     # one batch size, else too many lines
+    runs = [r for r in runs if (r.get("batch_size") or 1) == smallest]
     # colour = dataset, line style and marker = mode
     datasets = list(dict.fromkeys(r.get("dataset") for r in runs))
     labels = list(dict.fromkeys(_label(r) for r in runs))
@@ -276,6 +286,39 @@ def _plot_acceptance(runs: list[dict], path: Path, title: str) -> bool:
     ax.grid(alpha=0.3)
     ax.set_title(title)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def _plot_by_batch_size(runs: list[dict], path: Path, title: str, field: str = "decode_tokens_per_s") -> bool:
+    """One panel per dataset: throughput by batch size, one line per configuration, auto highlighted."""
+    from matplotlib.figure import Figure
+
+    runs = [r for r in runs if _num(r.get(field)) is not None and r.get("batch_size") is not None]
+    if len({r["batch_size"] for r in runs}) < 2:
+        return False
+    datasets = list(dict.fromkeys(r.get("dataset") for r in runs))
+    labels = list(dict.fromkeys(_label(r) for r in runs))
+    fig = Figure(figsize=(4.2 * len(datasets) + 1.5, 4.2))
+    axes = [fig.add_subplot(1, len(datasets), i + 1) for i in range(len(datasets))]
+    for ax, d in zip(axes, datasets):
+        for j, lab in enumerate(labels):
+            pts = sorted((r["batch_size"], _num(r.get(field))) for r in runs
+                         if r.get("dataset") == d and _label(r) == lab)
+            if not pts:
+                continue
+            auto = lab.startswith("auto")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=lab, marker="o" if auto else ".",
+                    linewidth=3.0 if auto else 1.2, color="black" if auto else f"C{j % 10}",
+                    zorder=3 if auto else 2, alpha=1.0 if auto else 0.8)
+        ax.set_xticks(sorted({r["batch_size"] for r in runs}))
+        ax.set_xlabel("batch size")
+        ax.set_title(str(d), fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("decode tokens/s (aggregate)" if field.startswith("decode") else "tokens/s (aggregate)")
+    axes[-1].legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -310,6 +353,9 @@ def write_report(result: dict, out_dir: str | Path, stem: str) -> dict[str, Path
         p = out / f"{stem}_tokens_per_s.png"
         if _plot_tokens_per_s(runs, p, f"{title}: throughput"):
             images["png_tokens_per_s"] = p
+        p = out / f"{stem}_by_batch_size.png"
+        if _plot_by_batch_size(runs, p, f"{title}: decode throughput by batch size"):
+            images["png_by_batch_size"] = p
         p = out / f"{stem}_acceptance_by_position.png"
         if _plot_acceptance(runs, p, f"{title}: acceptance by draft position"):
             images["png_acceptance_by_position"] = p

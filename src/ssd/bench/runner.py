@@ -1,14 +1,19 @@
 """`ssd bench`: our modes (AR, SD, ...) and the transformers peers on the same prompts, in one run.
 
 :func:`run_bench` returns the result dict of :mod:`ssd.bench.report` (``machine``, ``config``,
-``runs``) plus a ``summary``; :func:`write_bench_report` writes it (JSON, Markdown, PNG).
+``runs``) plus a ``summary`` (``summary_by_batch_size`` when several batch sizes ran);
+:func:`write_bench_report` writes it (JSON, Markdown, PNG).
 
 How a run is measured
 ---------------------
-* One engine (:class:`ssd.LLM`) per mode and draft length k, built once, warmed up with a short
-  untimed generation, then freed before the next one is built (the 1.5B + 0.5B pair takes ~5 GB).
+* One engine (:class:`ssd.LLM`) per mode and draft length k, built once and warmed up with a
+  short untimed generation. By default all engines exist at once (sharing the loaded weights) and
+  every batch of prompts runs on each in turn, the order rotating per batch, so that run order
+  does not bias the comparison (:mod:`ssd.bench.engine_runs`); ``interleave=False`` builds, runs and
+  frees one engine after another instead.
 * Every prompt generates exactly ``max_tokens`` tokens (``ignore_eos=True``). Prompts go through
-  ``LLM.generate`` ``batch_size`` at a time (1: one prompt at a time).
+  ``LLM.generate`` ``batch_size`` at a time (1: one prompt at a time); a list of batch sizes
+  runs each with the same engines.
 * ``tokens_per_s``: all generated tokens / the summed wall time of the ``generate`` calls
   (prefill included). ``decode_tokens_per_s``: tokens after each request's first one / the
   time after the batch's first token (for ``batch_size`` 1: exactly wall − TTFT; for larger
@@ -25,25 +30,27 @@ How a run is measured
 from __future__ import annotations
 
 import datetime as _dt
-import gc
 import logging
-import math
 import re
-import statistics
 import time
 from dataclasses import dataclass, field
 
-from ssd.bench.timeline import render_timeline, window
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ssd.bench.datasets import DATASETS, BenchPrompt, load_prompts, render_prompt
+from ssd.bench import engine_runs as er
+from ssd.bench.datasets import DATASETS, PROMPT_SETS, BenchPrompt, load_prompts, render_prompt
+from ssd.bench.summary import PEERS, geomean, summarize, summary_markdown
+from ssd.bench.timeline import render_timeline, window
+from ssd.models.sharing import shared_weights
 
 log = logging.getLogger(__name__)
 
-PEERS = ("hf", "hf-assisted", "llama.cpp")
+__all__ = ["BenchConfig", "PEERS", "bench_and_report", "geomean", "mode_threads", "run_bench", "summarize",
+           "summary_markdown", "write_bench_report"]
+
 DEFAULT_OUT_DIR = "benchmarks/results"
 
 
@@ -57,7 +64,8 @@ class BenchConfig:
     num_prompts: int = 4                     # per dataset
     max_tokens: int = 64                     # generated per prompt, exactly (EOS ignored)
     temperature: float = 0.0                 # 0 = greedy
-    batch_size: int = 1                      # concurrent requests per generate() call
+    batch_size: int | list[int] = 1          # concurrent requests per generate() call; a list sweeps it
+    interleave: bool = True                  # all engines at once, alternating per batch (engine_runs.py)
     threads: int | None = None
     spec_max_batch: int | None = None        # sd/ssd: larger decode batches run one-token rounds
     prefill_threads: int | None = None       # default: threads (equal placement: SSD's prefill gets them all)
@@ -107,10 +115,13 @@ class BenchConfig:
                 raise ValueError("injected prompts: give at least one prompt per dataset")
             self.datasets = list(self.prompts)
         else:
-            bad = [d for d in self.datasets if d not in DATASETS]
+            bad = [d for d in self.datasets if d not in PROMPT_SETS]
             if bad or not self.datasets:
-                raise ValueError(f"unknown or no dataset(s) {bad}; choose from {', '.join(DATASETS)}")
-        for name in ("num_prompts", "max_tokens", "batch_size", "bandwidth_mb"):
+                raise ValueError(f"unknown or no dataset(s) {bad}; choose from {', '.join(PROMPT_SETS)}")
+        bss = _as_list(self.batch_size)
+        if not bss or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in bss):
+            raise ValueError(f"batch_size must be an integer >= 1 or a list of them, got {self.batch_size!r}")
+        for name in ("num_prompts", "max_tokens", "bandwidth_mb"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -124,6 +135,10 @@ class BenchConfig:
             if self.threads is None or self.threads - (self.ssd_options.get("draft_threads") or 1) < 1:
                 raise ValueError("placement 'equal' needs --threads larger than the draft worker's threads "
                                  "(e.g. --threads 2 --draft-threads 1): SSD's target runs on the rest")
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(dict.fromkeys(_as_list(self.batch_size)))
 
     @property
     def ks(self) -> list[int]:
@@ -141,8 +156,8 @@ class BenchConfig:
         if any(m != "ar" for m in self.modes):
             parts.append("k" + "_".join(map(str, self.ks)))
         parts.append(f"t{self.max_tokens}")
-        if self.batch_size > 1:
-            parts.append(f"b{self.batch_size}")
+        if self.batch_sizes != [1]:
+            parts.append("b" + "_".join(map(str, self.batch_sizes)))
         if self.temperature > 0:
             parts.append(f"temp{self.temperature:g}")
         short = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))
@@ -160,23 +175,6 @@ def _as_list(x: Any) -> list:
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def _median(xs: list[float | None]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def geomean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
-def _release_memory() -> None:
-    """Collect a freed engine now (the caller drops its last reference first)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _device_bandwidth_gbps(device: str, threads: int, size_mb: int) -> float:
@@ -241,79 +239,9 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
                draft_device=cfg.draft_device, threads=mode_threads(cfg, mode), prefill_threads=prefill,
                dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
-               max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress, trace=True,
+               max_num_seqs=max(16, *cfg.batch_sizes), progress=cfg.progress, trace=True,
                **(cfg.ssd_options if mode == "ssd" else {}),
                **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}))
-
-
-def _params(cfg: BenchConfig, index: int, max_tokens: int | None = None):
-    from ssd import SamplingParams
-
-    seed = None if cfg.temperature == 0 else cfg.seed * 1_000_003 + index
-    return SamplingParams(temperature=cfg.temperature, seed=seed, max_tokens=max_tokens or cfg.max_tokens,
-                          ignore_eos=True)
-
-
-def _warmup(llm, cfg: BenchConfig, ids: list[int]) -> None:
-    t0 = time.perf_counter()
-    llm.generate([ids[-32:]], _params(cfg, 0, max_tokens=min(8, cfg.max_tokens)))
-    log.info("warm-up generation took %.2fs", time.perf_counter() - t0)
-
-
-def _run_engine(llm, cfg: BenchConfig, dataset: str, ids: list[list[int]], desc: str) -> tuple[dict, list]:
-    """Generate for every prompt (batch_size at a time); return the run entry and the outputs."""
-    from tqdm.auto import tqdm
-
-    from ssd.outputs import aggregate
-
-    outputs, wall, decode_wall = [], 0.0, 0.0
-    bs = cfg.batch_size
-    with tqdm(total=len(ids), desc=desc, unit="prompt", disable=not cfg.progress) as bar:
-        for start in range(0, len(ids), bs):
-            chunk = ids[start:start + bs]
-            params = [_params(cfg, start + i) for i in range(len(chunk))]
-            outs = llm.generate(chunk, params)
-            batch_wall = llm.last_stats["wall_s"]
-            ttfts = [o.metrics.ttft_s for o in outs if o.metrics.ttft_s is not None]
-            wall += batch_wall
-            decode_wall += max(batch_wall - (min(ttfts) if ttfts else batch_wall), 0.0)
-            outputs += outs
-            bar.update(len(chunk))
-    for o in outputs:
-        if o.metrics.num_generated_tokens != cfg.max_tokens:
-            log.warning("%s: prompt generated %d tokens instead of %d", desc, o.metrics.num_generated_tokens,
-                        cfg.max_tokens)
-    agg = aggregate(outputs, wall)
-    metrics = [o.metrics for o in outputs]
-    gen = agg["generated_tokens"]
-    decode_tokens = sum(max(m.num_generated_tokens - 1, 0) for m in metrics)
-    rounds = sum(m.target_forwards for m in metrics)
-    ttft = _median([m.ttft_s for m in metrics])
-    run = {
-        "dataset": dataset,
-        "mode": llm.config.mode,
-        "tokens_per_s": gen / wall if wall > 0 else None,
-        "tokens_per_s_median": _median([m.tokens_per_s for m in metrics]),
-        "decode_tokens_per_s": decode_tokens / decode_wall if decode_wall > 0 else None,
-        "decode_tokens_per_s_median": _median([m.decode_tokens_per_s for m in metrics]),
-        "ttft_ms_median": ttft * 1e3 if ttft is not None else None,
-        "acceptance_rate": agg["acceptance_rate"],
-        "mean_accepted_len": decode_tokens / rounds if rounds else None,
-        "acceptance_by_position": agg["acceptance_by_position"] or None,
-        "num_prompts": len(outputs),
-        "generated_tokens": gen,
-        "wall_s": wall,
-        "target_forwards": rounds,
-        "batch_size": bs,
-    }
-    return run, outputs
-
-
-def _ms_per_step(outputs) -> float | None:
-    """Mean decode time per step of one sequence (ms): Σ (total − TTFT) / Σ (tokens − 1)."""
-    secs = sum(o.metrics.total_s - o.metrics.ttft_s for o in outputs if o.metrics.ttft_s is not None)
-    steps = sum(max(o.metrics.num_generated_tokens - 1, 0) for o in outputs)
-    return secs / steps * 1e3 if steps and secs > 0 else None
 
 
 def _matches(ids: list[list[int]] | None, ref: list[list[int]] | None) -> float | None:
@@ -322,143 +250,33 @@ def _matches(ids: list[list[int]] | None, ref: list[list[int]] | None) -> float 
     return sum(a == b for a, b in zip(ids, ref)) / len(ids) if ids else None
 
 
-# --------------------------------------------------------------------------- summary
-
-
-def _sd_label_for(label: str, labels) -> str | None:
-    """The SD run an SSD run is compared with: the one with the same k."""
-    cand = "sd" + label[3:]
-    return cand if label.startswith("ssd") and cand in labels else None
-
-
-def summarize(runs: list[dict]) -> dict[str, dict]:
-    """Per run label: geometric mean over datasets of tokens/s (and decode tokens/s), and the
-    geometric-mean ratio to our AR run, to each peer, and for SSD to SD with the same k, over the
-    datasets both ran (overall and decode-only)."""
-    by_label: dict[str, dict[str, dict]] = {}
-    for r in runs:
-        by_label.setdefault(r.get("label") or r["mode"], {})[r["dataset"]] = r
-    ref = {lab: by_label[lab] for lab in ("ar", *PEERS) if lab in by_label}
-    summary = {}
-    for lab, per_ds in by_label.items():
-        tps = {d: r.get("tokens_per_s") for d, r in per_ds.items()}
-        dec = {d: r.get("decode_tokens_per_s") for d, r in per_ds.items()}
-        first = next(iter(per_ds.values()))
-        entry: dict[str, Any] = {
-            "mode": first["mode"],
-            "datasets": list(per_ds),
-            "tokens_per_s_geomean": geomean(list(tps.values())),
-            "decode_tokens_per_s_geomean": geomean(list(dec.values())),
-        }
-        if "k" in first:
-            entry["k"] = first["k"]
-        accs = [r.get("acceptance_rate") for r in per_ds.values() if r.get("acceptance_rate") is not None]
-        if accs:
-            entry["acceptance_rate_mean"] = sum(accs) / len(accs)
-        matches = [(r["matches_ar"], r["num_prompts"]) for r in per_ds.values() if r.get("matches_ar") is not None]
-        if matches:
-            entry["matches_ar"] = sum(m * n for m, n in matches) / sum(n for _, n in matches)
-        bases = dict(ref)
-        sd_lab = _sd_label_for(lab, by_label)
-        if sd_lab:
-            bases["sd"] = by_label[sd_lab]
-        for base_lab, base in bases.items():
-            if base_lab == lab:
-                continue
-            for key, vals, prefix in (("tokens_per_s", tps, "vs_"), ("decode_tokens_per_s", dec, "decode_vs_")):
-                ratios = [vals[d] / base[d][key] for d in per_ds if d in base and vals[d] and base[d].get(key)]
-                entry[f"{prefix}{base_lab}"] = geomean(ratios)
-        if first["mode"] == "ssd":
-            hits = [(r.get("cache_hit_rate"), r.get("target_forwards") or 1) for r in per_ds.values()
-                    if r.get("cache_hit_rate") is not None]
-            if hits:
-                entry["cache_hit_rate"] = sum(h * n for h, n in hits) / sum(n for _, n in hits)
-            idle = [r.get("target_idle_fraction") for r in per_ds.values() if r.get("target_idle_fraction") is not None]
-            if idle:
-                entry["target_idle_fraction_mean"] = sum(idle) / len(idle)
-        summary[lab] = entry
-    return summary
-
-
-def summary_markdown(result: dict) -> str:
-    """The summary (geomeans and ratios), SSD cache metrics and the AR bandwidth bound as Markdown."""
-    summary = result.get("summary") or {}
-    if not summary:
-        return ""
-    bases = [b for b in ("ar", "sd", *PEERS) if any(f"vs_{b}" in e for e in summary.values())]
-    header = ["mode", "tok/s geomean", "decode tok/s geomean"]
-    for b in bases:
-        header += [f"x {b}", f"decode x {b}"]
-    header.append("matches AR")
-    lines = ["| " + " | ".join(header) + " |", "| --- | " + " | ".join(["---:"] * (len(header) - 1)) + " |"]
-
-    def f(x, d=2, suffix=""):
-        return "-" if x is None else f"{x:.{d}f}{suffix}"
-
-    for lab, e in summary.items():
-        row = [lab, f(e.get("tokens_per_s_geomean")), f(e.get("decode_tokens_per_s_geomean"))]
-        for b in bases:
-            same = b == lab
-            row += ["1.00x" if same else f(e.get(f"vs_{b}"), 2, "x"),
-                    "1.00x" if same else f(e.get(f"decode_vs_{b}"), 2, "x")]
-        row.append(f(e.get("matches_ar"), 2))
-        lines.append("| " + " | ".join(row) + " |")
-    out = ["Geometric means over datasets; x: geometric mean of per-dataset throughput ratios (overall = "
-           "prefill included; decode = after the first token); x sd compares SSD with SD at the same k; "
-           "matches AR: fraction of prompts with token ids identical to our AR run (greedy exactness canary).",
-           "", *lines]
-    ssd_runs = [r for r in result.get("runs", []) if r.get("mode") == "ssd"]
-    if ssd_runs:
-        out += ["", "SSD speculation cache (per dataset): hit rate = rounds answered from a complete pre-drafted "
-                "chain (by k = accepted length of the previous round, k = 0..K); tokens per round = tokens "
-                "committed per target verification; ms/round = target decode time per round (of it verifying); "
-                "target idle = share of decode time the target waited for the draft; draft busy = share of it "
-                "the worker was drafting.", "",
-                "| dataset | mode | cache hit rate | hit rate by k | tokens/round on hit | tokens/round on miss |"
-                " ms/round (verify) | target idle | draft busy | degraded |",
-                "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-        for r in ssd_runs:
-            by_k = " ".join("-" if h is None else f"{h:.2f}" for h in r.get("cache_hit_rate_by_k") or [])
-            out.append(f"| {r['dataset']} | {r.get('label', 'ssd')} | {f(r.get('cache_hit_rate'))} | {by_k or '-'} | "
-                       f"{f(r.get('tokens_per_round_on_hit'))} | {f(r.get('tokens_per_round_on_miss'))} | "
-                       f"{f(r.get('ms_per_round'), 0)} ({f(r.get('verify_ms_per_round'), 0)}) | "
-                       f"{f(r.get('target_idle_fraction'))} | {f(r.get('draft_busy_fraction'))} | "
-                       f"{r.get('degraded_from') or '-'} |")
-    bound = [r for r in result.get("runs", []) if r.get("bandwidth_bound_ms_per_token") is not None]
-    if bound:
-        out += ["", "AR memory-bandwidth bound (weights read once per decode step, "
-                f"{result['machine'].get('bandwidth_gbps', 0):.1f} GB/s measured):", ""]
-        for r in bound:
-            out.append(f"- {r['dataset']}: bound {r['bandwidth_bound_ms_per_token']:.3g} ms/token "
-                       f"({1e3 / r['bandwidth_bound_ms_per_token']:.3g} tok/s), measured "
-                       f"{f(r.get('measured_ms_per_token'), 1)} ms/token"
-                       + (f" ({r['bandwidth_utilization'] * 100:.0f}% of the bound)"
-                          if r.get("bandwidth_utilization") else ""))
-    return "\n".join(out) + "\n"
-
-
 # --------------------------------------------------------------------------- entry points
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    """Run every mode (and k) and peer over every dataset; return the report dict."""
+    """Run every mode (and k) and peer over every dataset and batch size; return the report dict."""
     from ssd.bench.machine import machine_info
 
     t_start = time.perf_counter()
     prompts = _load_prompts(cfg)
     machine = machine_info()
+    bss = cfg.batch_sizes
     config: dict[str, Any] = {
         "title": cfg.title or f"ssd bench: {Path(cfg.model).name}",
         "target": cfg.model, "draft": cfg.draft, "modes": cfg.modes, "k": cfg.ks,
         "datasets": list(prompts), "prompts_per_dataset": {d: len(p) for d, p in prompts.items()},
         "prompt_ids": {d: [p.id for p in ps] for d, ps in prompts.items()},
         "max_new_tokens": cfg.max_tokens, "ignore_eos": True, "temperature": cfg.temperature,
-        "batch_size": cfg.batch_size, "dtype": cfg.dtype, "draft_dtype": cfg.draft_dtype or cfg.dtype,
-        "device": cfg.device,
+        "batch_size": bss[0] if len(bss) == 1 else bss, "dtype": cfg.dtype,
+        "draft_dtype": cfg.draft_dtype or cfg.dtype, "device": cfg.device,
         "draft_device": cfg.draft_device or cfg.device,
         "threads": cfg.threads if cfg.threads is not None else torch.get_num_threads(),
         "seed": cfg.seed, "warmup": cfg.warmup, "peers": cfg.peers, "placement": cfg.placement,
-        "spec_max_batch": cfg.spec_max_batch,
+        "spec_max_batch": cfg.spec_max_batch, "kv_cache_gb": cfg.kv_cache_gb,
+        "interleaved": cfg.interleave,
+        "run_order": ("every batch of prompts runs once per configuration, in an order rotating by one "
+                      "configuration per batch; engines share the loaded weights" if cfg.interleave else
+                      "one configuration after another (AR first)"),
     }
     if "ssd" in cfg.modes:
         config["ssd_target_threads"] = mode_threads(cfg, "ssd")
@@ -471,80 +289,123 @@ def run_bench(cfg: BenchConfig) -> dict:
             config["peer_dtype_note"] = ("our dtype 'auto' is float16 weights via FBGEMM on CPU (bfloat16 on "
                                          "CUDA); transformers peers run in bfloat16")
         config["peer_assistant_tokens"] = cfg.peer_assistant_tokens or "transformers default schedule"
+        config["peer_order"] = "peers run after our engines"
         if cfg.temperature > 0:
             config["peer_note"] = "peers always decode greedily"
             log.warning("peers decode greedily; our modes sample at temperature %s", cfg.temperature)
 
-    runs: list[dict] = []
-    rendered: dict[str, list[list[int]]] | None = None
-    ar_ids: dict[str, list[list[int]]] = {}
-    greedy = cfg.temperature == 0
+    default_threads = cfg.threads or torch.get_num_threads()
     bandwidth = None
     if cfg.bandwidth:
-        threads = cfg.threads or torch.get_num_threads()
-        bandwidth = _device_bandwidth_gbps(cfg.device, threads, cfg.bandwidth_mb)
+        bandwidth = _device_bandwidth_gbps(cfg.device, default_threads, cfg.bandwidth_mb)
         machine["bandwidth_gbps"] = bandwidth
         machine["bandwidth_device"] = cfg.device
         log.info("measured read bandwidth: %.1f GB/s", bandwidth)
 
-    # AR first: the other modes are checked against its greedy tokens.
-    modes = sorted(cfg.modes, key=lambda m: m != "ar")
+    specs = er.engine_specs(cfg.modes, cfg.ks)
+    rendered: dict[str, list[list[int]]] | None = None
+    entries: dict[tuple[str, int, str], dict] = {}
+    cells: dict[tuple[str, int, str], er.Cell] = {}
     timelines: dict[str, list] = {}
-    for mode in modes:
-        for k in ([cfg.ks[0]] if mode == "ar" else cfg.ks):
-            label = mode if mode == "ar" or len(cfg.ks) == 1 else f"{mode} k={k}"
-            log.info("building the %s engine", label)
-            t0 = time.perf_counter()
-            llm = _build_llm(cfg, mode, k)
-            load_s = time.perf_counter() - t0
-            config.setdefault("engine_dtype", llm.target.dtype_name)
-            config.setdefault("target_path", str(llm.target.path))
-            config.setdefault("target_weight_bytes_per_token", llm.target.model.weight_bytes_per_token())
-            if llm.draft is not None:
-                config.setdefault("draft_path", str(llm.draft.path))
-                config.setdefault("draft_weight_bytes_per_token", llm.draft.model.weight_bytes_per_token())
-            if rendered is None:
-                rendered = _render(prompts, llm.tokenizer, llm.max_model_len, cfg.max_tokens)
-            if cfg.warmup:
-                _warmup(llm, cfg, next(iter(rendered.values()))[0])
-            for dataset, ids in rendered.items():
-                ssd_before = _ssd_counts(llm)
-                run, outputs = _run_engine(llm, cfg, dataset, ids, f"{label} {dataset}")
-                if mode == "ssd":
-                    run.update(_ssd_run_stats(llm, ssd_before))
-                elif mode == "auto":     # the chooser's decisions and predicted vs measured tokens/s
-                    run.update({k2: v for k2, v in llm.engine.spec_metrics().delta(ssd_before).to_dict().items()
-                                if k2.startswith("auto_")})
-                run["label"] = label
-                run["load_s"] = load_s
-                tokens = [o.token_ids for o in outputs]
-                if mode == "ar":
-                    ar_ids[dataset] = tokens
-                    run["measured_ms_per_token"] = _ms_per_step(outputs)
+    load_s: dict[str, float] = {}
+
+    def build(spec):
+        nonlocal rendered
+        log.info("building the %s engine", spec.label)
+        t0 = time.perf_counter()
+        llm = _build_llm(cfg, spec.mode, spec.k)
+        load_s[spec.label] = time.perf_counter() - t0
+        config.setdefault("engine_dtype", llm.target.dtype_name)
+        config.setdefault("target_path", str(llm.target.path))
+        config.setdefault("target_weight_bytes_per_token", llm.target.model.weight_bytes_per_token())
+        if llm.draft is not None:
+            config.setdefault("draft_path", str(llm.draft.path))
+            config.setdefault("draft_weight_bytes_per_token", llm.draft.model.weight_bytes_per_token())
+        if rendered is None:
+            rendered = _render(prompts, llm.tokenizer, llm.max_model_len, cfg.max_tokens)
+        if cfg.warmup:
+            er.warmup(llm, next(iter(rendered.values()))[0], cfg.temperature, cfg.seed, cfg.max_tokens)
+        return llm
+
+    def measure(llms):
+        got = er.measure(llms, specs, rendered, bss, cfg.temperature, cfg.seed, cfg.max_tokens,
+                         default_threads, cfg.progress)
+        for (lab, bs, dataset), cell in got.items():
+            llm = llms[lab]
+            spec = next(s for s in specs if s.label == lab)
+            run = er.cell_entry(llm, cell, dataset, bs, cfg.max_tokens, f"{lab} {dataset}")
+            run.update(er.spec_stats(llm, spec.mode, cell.before))
+            entries[(lab, bs, dataset)] = run
+        cells.update(got)
+        for lab, llm in llms.items():
+            spans = [(x.track, x.name, x.start, x.end) for x in llm.engine.tracer.spans]
+            timelines[lab] = window(spans[-400:])
+
+    def close(llms):
+        for llm in llms.values():
+            if hasattr(llm, "close"):
+                llm.close()
+        llms.clear()
+        er.release_memory()
+
+    if specs and cfg.interleave:
+        with shared_weights():
+            llms = {s.label: build(s) for s in specs}
+        measure(llms)
+        close(llms)
+    else:
+        for spec in specs:
+            llms = {spec.label: build(spec)}
+            measure(llms)
+            close(llms)
+
+    runs, ar_ids = _finish_runs(cfg, specs, entries, cells, load_s, config, bandwidth)
+    if cfg.peers:
+        runs += _run_peers(cfg, prompts, rendered, ar_ids.get(bss[0], {}), config)
+    result = {"machine": machine, "config": config, "runs": runs, "timelines": timelines,
+              "elapsed_s": time.perf_counter() - t_start}
+    if len(bss) == 1:
+        result["summary"] = summarize(runs)
+    else:
+        result["summary_by_batch_size"] = {str(bs): summarize([r for r in runs if r.get("batch_size") == bs])
+                                           for bs in bss}
+    return result
+
+
+def _finish_runs(cfg: BenchConfig, specs, entries, cells, load_s, config, bandwidth):
+    """Order the entries (configuration, batch size, dataset), add labels, k, the exactness canary
+    against AR's greedy tokens, and AR's bandwidth bound."""
+    greedy = cfg.temperature == 0
+    ar_ids: dict[int, dict[str, list[list[int]]]] = {}
+    for (lab, bs, dataset), cell in cells.items():
+        if lab == "ar":
+            ar_ids.setdefault(bs, {})[dataset] = [o.token_ids for o in cell.outputs]
+    runs = []
+    for spec in specs:
+        for bs in cfg.batch_sizes:
+            for dataset in config["datasets"]:
+                run = entries.get((spec.label, bs, dataset))
+                if run is None:
+                    continue
+                outputs = cells[(spec.label, bs, dataset)].outputs
+                run["label"] = spec.label
+                run["load_s"] = load_s.get(spec.label)
+                if spec.mode == "ar":
+                    run["measured_ms_per_token"] = er.ms_per_step(outputs)
                     if bandwidth:
                         bound = config["target_weight_bytes_per_token"] / (bandwidth * 1e9) * 1e3
                         run["bandwidth_bound_ms_per_token"] = bound
                         if run["measured_ms_per_token"]:
                             run["bandwidth_utilization"] = bound / run["measured_ms_per_token"]
                 else:
-                    run["k"] = k
-                    run["matches_ar"] = _matches(tokens, ar_ids.get(dataset)) if greedy else None
+                    run["k"] = spec.k
+                    ref = ar_ids.get(bs, {}).get(dataset)
+                    run["matches_ar"] = _matches([o.token_ids for o in outputs], ref) if greedy else None
                     if run["matches_ar"] is not None and run["matches_ar"] < 1.0:
-                        log.error("%s on %s: greedy tokens differ from AR on %.0f%% of prompts (exactness bug?)",
-                                  label, dataset, 100 * (1 - run["matches_ar"]))
+                        log.error("%s on %s (batch %d): greedy tokens differ from AR on %.0f%% of prompts "
+                                  "(exactness bug?)", spec.label, dataset, bs, 100 * (1 - run["matches_ar"]))
                 runs.append(run)
-            spans = [(x.track, x.name, x.start, x.end) for x in llm.engine.tracer.spans]
-            timelines[label] = window(spans[-400:])
-            if hasattr(llm, "close"):
-                llm.close()
-            del llm
-            _release_memory()
-
-    if cfg.peers:
-        runs += _run_peers(cfg, prompts, rendered, ar_ids, config)
-
-    return {"machine": machine, "config": config, "runs": runs, "summary": summarize(runs),
-            "timelines": timelines, "elapsed_s": time.perf_counter() - t_start}
+    return runs, ar_ids
 
 
 def _run_peers(cfg: BenchConfig, prompts, rendered, ar_ids, config) -> list[dict]:
@@ -622,17 +483,3 @@ def write_bench_report(result: dict, out_dir: str | Path, stem: str) -> dict[str
 def bench_and_report(cfg: BenchConfig) -> tuple[dict, dict[str, Path]]:
     result = run_bench(cfg)
     return result, write_bench_report(result, cfg.out_dir, cfg.stem or cfg.default_stem())
-
-
-def _ssd_counts(llm):
-    if llm.engine.mode in ("ssd", "auto") or llm.engine.degraded_from == "ssd":
-        return llm.engine.spec_metrics()
-    return None
-
-
-def _ssd_run_stats(llm, before: dict | None) -> dict:
-    """SSD speculation-cache metrics of one dataset run (differences of the engine's counters)."""
-    after = _ssd_counts(llm)
-    if after is None or before is None:
-        return {"degraded_from": llm.engine.degraded_from}
-    return {**after.delta(before).to_dict(), "degraded_from": llm.engine.degraded_from}

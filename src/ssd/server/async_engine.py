@@ -116,6 +116,7 @@ class AsyncEngine:
         if self.engine.draft is not None:
             self._managers["draft"] = self.engine.draft.block_manager
         self._ssd = self.engine.mode == "ssd"
+        self._auto = self.engine.mode == "auto"
         self._spec_seen = self.engine.spec_metrics()      # speculation counters already exported
         self._thread = threading.Thread(target=self._run, name="ssd-engine", daemon=True)
 
@@ -305,6 +306,10 @@ class AsyncEngine:
             now = self.engine.spec_metrics()
             up = self.engine.mode == "ssd" and self.engine.degraded_from is None
             self.metrics.ssd_state(now.delta(self._spec_seen), up)
+            self._spec_seen = now
+        elif self._auto:
+            now = self.engine.spec_metrics()
+            self.metrics.auto_state(now.delta(self._spec_seen), now)
             self._spec_seen = now
 
 

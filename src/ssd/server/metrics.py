@@ -78,6 +78,18 @@ class ServerMetrics:
         self.draft_worker_up = Gauge("ssd_draft_worker_up", "1 while the SSD draft worker answers, else 0 "
                                      "(0 after a worker failure sent the engine back to AR; always 0 outside "
                                      "SSD mode)", registry=r)
+        # auto: the chooser's decisions and its cost model's accuracy (fed by `auto_state`)
+        self.auto_plain_rounds = Counter("ssd_auto_plain_rounds", "auto: decode rounds the chooser ran without "
+                                         "any draft token (plain target steps)", registry=r)
+        self.auto_rows = Counter("ssd_auto_rows", "auto: sequence-rounds by the draft length the chooser picked",
+                                 ["num_draft"], registry=r)
+        self.auto_predicted = Gauge("ssd_auto_predicted_tokens_per_second", "auto: committed tokens per second "
+                                    "its cost model predicted for the rounds it chose (since start)", registry=r)
+        self.auto_measured = Gauge("ssd_auto_measured_tokens_per_second", "auto: committed tokens per second "
+                                   "measured over the same rounds (since start)", registry=r)
+        if mode == "auto" and k:
+            for j in range(k + 1):
+                self.auto_rows.labels(num_draft=str(j))
         if mode == "ssd":
             self.draft_worker_up.set(1)
         if mode == "ssd" and k:
@@ -134,6 +146,20 @@ class ServerMetrics:
             for j, n in enumerate(by_k):
                 if n > 0:
                     counter.labels(k=str(j)).inc(n)
+
+    def auto_state(self, delta, total) -> None:
+        """auto: count the rounds of `delta` (a SpecSnapshot difference since the last call); the
+        predicted and measured rates are those of `total` (every round since start)."""
+        if delta.plain_rounds > 0:
+            self.auto_plain_rounds.inc(delta.plain_rounds)
+        for j, n in enumerate(delta.rows_by_num_draft):
+            if n > 0:
+                self.auto_rows.labels(num_draft=str(j)).inc(n)
+        d = total.to_dict()
+        for gauge, key in ((self.auto_predicted, "auto_predicted_tokens_per_s"),
+                           (self.auto_measured, "auto_measured_tokens_per_s")):
+            if d.get(key) is not None:
+                gauge.set(d[key])
 
     def engine_state(self, scheduler, managers: dict) -> None:
         self.running.set(len(scheduler.running))

@@ -264,6 +264,9 @@ def ssd_extension(mode: str, k: int | None, choices: list[Choice]) -> dict:
     out = {"mode": now, "k": k if now != "ar" else None, "acceptance_rate": acc, "mean_accepted_len": mal,
            "acceptance_by_position": by_pos, "cache_hit_rate": cache_hit_rate(mode, choices),
            "target_forwards": spec.rounds, "rounds_by_num_draft": list(spec.rounds_by_num_draft)}
+    by_n = spec.rounds_by_num_draft
+    # the share of this response's rounds that ran as plain target steps (auto's "AR" choice, speculate=false)
+    out["plain_round_share"] = by_n[0] / sum(by_n) if by_n and sum(by_n) else None
     if degraded:
         out["degraded_from"] = degraded
     return out
