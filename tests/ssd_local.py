@@ -64,3 +64,22 @@ def local_ssd(monkeypatch, target, draft, k=3, llm_kw=None, **kw):
     monkeypatch.setattr(LLM, "_start_worker", start)
     llm = LLM(str(target), draft=str(draft), mode="ssd", k=k, dtype="float32", progress=False, **(llm_kw or {}))
     return llm, client["c"]
+
+
+def random_regime(monkeypatch) -> None:
+    """auto_ssd: replace the regime policy's decision by a pseudo-random one (deterministic: a hash of
+    the round number), so the worker and the in-process draft alternate in about half the rounds."""
+    import hashlib
+
+    from ssd.speculation.regime import LOCAL, WORKER, RegimePolicy
+
+    def pick(self, batch_size):
+        self.rounds += 1
+        if self.enabled:
+            h = int(hashlib.blake2b(str(self.rounds).encode(), digest_size=2).hexdigest(), 16)
+            new = WORKER if h % 2 else LOCAL
+            self.switches += new != self.current
+            self.current = new
+        self.rounds_by_regime[self.current] += 1
+        return self.current
+    monkeypatch.setattr(RegimePolicy, "pick", pick)

@@ -41,7 +41,7 @@ from ssd.layers.sampler import inverse_cdf_sample, logits_to_probs
 from ssd.speculation import verify as V
 
 from conftest import perturbed_copy
-from ssd_local import local_ssd
+from ssd_local import local_ssd, random_regime
 
 TEMPERATURE, TOP_K, TOP_P = 0.8, 3, 0.8
 M = 6                     # tokens whose joint law is tested
@@ -351,6 +351,56 @@ def test_auto_switching_draft_lengths_every_round_keeps_the_joint_law(monkeypatc
     print(f"auto {bug}: {info}; rows by draft length {rows}")
     assert len(rows) == SD_K + 1 and min(rows) > 0.1 * sum(rows)      # every length, plain rows included
     if bug is None:
+        assert p > P_PASS, info
+    else:
+        assert p < P_FAIL, info
+
+
+@pytest.mark.parametrize("bug", [None, "worker_q_uniform"])
+def test_auto_ssd_switching_regimes_keeps_the_joint_law(monkeypatch, tiny_pair, close_draft, target_law, bug):
+    """auto_ssd with both decisions pseudo-random: the regime (draft worker or in-process draft)
+    changes in about half the rounds and the chooser gives every local row 0..K tokens, so sequences
+    move between the worker (re-added, prefix-cached) and the local draft (catching up) all the time,
+    and some SSD rounds are served from the worker's cache. The joint law is the target's. The control
+    breaks only SSD rounds: the verifier gets a uniform q instead of the q the worker sampled from
+    (the draft's tokens then pass almost always). (Claiming one-hot q would not be a bug: conditional on the drawn token, a
+    deterministic proposal verified exactly is exact.)"""
+    import hashlib
+
+    from ssd.speculation.chooser import Chooser
+    from ssd.speculation.worker.proposer import WorkerProposer
+
+    def plan(self, seq_ids, caps, behind=None, remaining=None):
+        self.rounds += 1
+        out = [int(hashlib.blake2b(f"{i}:{self.rounds}".encode(), digest_size=2).hexdigest(), 16) % (c + 1)
+               for i, c in zip(seq_ids, caps)]
+        self.predicted_tokens, self.predicted_s = float(len(out)), 1.0
+        return out
+
+    monkeypatch.setattr(Chooser, "plan", plan)
+    random_regime(monkeypatch)
+    if bug == "worker_q_uniform":
+        real = WorkerProposer.propose
+
+        def propose(self, seqs, num_draft, verify_s=0.0):
+            prop = real(self, seqs, num_draft, verify_s)
+            prop.probs = [None if q is None else torch.full_like(q, 1.0 / q.shape[-1]) for q in prop.probs]
+            return prop
+        monkeypatch.setattr(WorkerProposer, "propose", propose)
+    before = torch.get_num_threads()
+    llm = LLM(str(tiny_pair[0]), draft=str(close_draft), mode="auto", auto_ssd=True, k=SD_K, dtype="float32",
+              progress=False, max_num_seqs=32, threads=1, worker_timeout_s=60)
+    torch.set_num_threads(before)
+    try:
+        p, info = joint_pvalue(target_law, first_m(llm, SD_N // 4, M))
+        m = llm.engine.spec_metrics()
+    finally:
+        llm.close()
+    print(f"auto_ssd {bug}: {info}; worker rounds {m.worker_rounds}/{m.rounds}, hits {m.hits}, misses {m.misses}")
+    assert m.worker_lost == 0 and 0.3 * m.rounds < m.worker_rounds < 0.7 * m.rounds
+    assert m.regime_switches > 0.3 * m.rounds
+    if bug is None:
+        assert m.hits > 0                 # some SSD rounds come from the worker's cache
         assert p > P_PASS, info
     else:
         assert p < P_FAIL, info

@@ -52,6 +52,9 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--saguaro-c", type=float, default=1.0, help="ssd: Saguaro sampling scale C in [0, 1]")
     g.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto",
                    help="ssd: backup on a cache miss (auto: by batch size from measured times and hit rates)")
+    g.add_argument("--auto-ssd", action="store_true",
+                   help="auto: also start a draft worker and let auto run SSD stints where they measure faster "
+                   "(the target takes the worker's cores back in the other rounds)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +77,7 @@ def _llm(args, **extra):
                kv_cache_gb=args.kv_cache_gb, spec_max_batch=args.spec_max_batch,
                draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
-               saguaro_c=args.saguaro_c, backup=args.backup, **extra)
+               saguaro_c=args.saguaro_c, backup=args.backup, auto_ssd=args.auto_ssd, **extra)
 
 
 def _params(args):

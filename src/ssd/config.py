@@ -38,6 +38,8 @@ class EngineConfig:
     saguaro_c: float = 1.0               # Saguaro sampling: weight of the cached top-F tokens in q' (1 = plain q)
     backup: str = "auto"                 # miss backup: auto (by batch size, measured) | neural | fast
     worker_timeout_s: float = 60.0
+    auto_ssd: bool = False               # mode auto: also run a draft worker and let auto choose SSD stints
+                                         # (the target takes the worker's cores back in the other rounds)
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -72,6 +74,8 @@ class EngineConfig:
         if self.spec_max_batch is not None and (self.spec_max_batch < 1 or self.mode == "ar"):
             raise ValueError(f"spec_max_batch must be >= 1 and applies to modes 'sd' and 'ssd' (got {self.spec_max_batch} "
                              f"with mode {self.mode!r})")
+        if self.auto_ssd and self.mode != "auto":
+            raise ValueError(f"auto_ssd lets mode 'auto' choose SSD rounds; it does not apply to mode {self.mode!r}")
         if self.prefill_threads is not None and self.prefill_threads < 1:
             raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")
 

@@ -50,19 +50,23 @@ class LLM:
         self.draft = None
         if cfg.mode == "ssd":
             draft_client = self._start_worker(target_runner)
-        elif cfg.mode != "ar":
+        if cfg.mode not in ("ar", "ssd"):
             self.draft = load_cached(load_model, cfg.draft, self.draft_dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
                                     cfg.progress)
             check_vocab_compatible(self.tokenizer, self.draft.tokenizer, mcfg.vocab_size,
                                    self.draft.config.vocab_size)
             draft_runner = self._runner(self.draft, cfg.draft_device or cfg.device,
                                         target_runner.block_manager.num_blocks)
+        thread_split = None
+        if cfg.mode == "auto" and cfg.auto_ssd:
+            thread_split = self._auto_ssd_threads(cfg)
+            draft_client = self._start_worker(target_runner)
         eos = list(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.engine = LLMEngine(target_runner, self.tokenizer, eos, self.max_model_len, cfg.max_num_seqs,
                                 cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
-                                Tracer() if cfg.trace else None, cfg.spec_max_batch)
+                                Tracer() if cfg.trace else None, cfg.spec_max_batch, thread_split)
         self.engine.prefill_threads = cfg.prefill_threads
         self._client = draft_client
 
@@ -83,6 +87,23 @@ class LLM:
             cfg.prefill_threads = cfg.prefill_threads or usable
             log.info("ssd: target decodes on %d thread(s), prefills on %d; the draft worker has %d core(s)",
                      cfg.threads, cfg.prefill_threads, worker)
+
+    @staticmethod
+    def _auto_ssd_threads(cfg: EngineConfig) -> tuple[int, int] | None:
+        """auto_ssd on CPU with a local worker: the target's threads in SSD rounds (the cores the worker
+        does not use) and in the other rounds (all of them: the idle worker's cores are taken back)."""
+        import os
+
+        if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
+            return None
+        usable = cfg.threads or len(os.sched_getaffinity(0))
+        worker = len(cfg.draft_cores) if cfg.draft_cores else (cfg.draft_threads or 1)
+        if usable <= worker:
+            log.warning("auto_ssd: %d core(s) for the target and a %d-core worker: they share cores", usable, worker)
+            return None
+        log.info("auto_ssd: the target runs on %d thread(s) while the worker drafts, on %d otherwise",
+                 usable - worker, usable)
+        return usable - worker, usable
 
     def _start_worker(self, target_runner: ModelRunner):
         """Check the draft against the target, then start the SSD draft worker on its own cores."""

@@ -65,6 +65,7 @@ class BenchConfig:
     max_tokens: int = 64                     # generated per prompt, exactly (EOS ignored)
     temperature: float = 0.0                 # 0 = greedy
     batch_size: int | list[int] = 1          # concurrent requests per generate() call; a list sweeps it
+    auto_ssd: bool = False                   # auto also runs a draft worker and may choose SSD stints
     interleave: bool = True                  # all engines at once, alternating per batch (engine_runs.py)
     threads: int | None = None
     spec_max_batch: int | None = None        # sd/ssd: larger decode batches run one-token rounds
@@ -240,7 +241,8 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
                dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
                max_num_seqs=max(16, *cfg.batch_sizes), progress=cfg.progress, trace=True,
-               **(cfg.ssd_options if mode == "ssd" else {}),
+               **(cfg.ssd_options if mode == "ssd" or mode == "auto" and cfg.auto_ssd else {}),
+               **({"auto_ssd": True} if mode == "auto" and cfg.auto_ssd else {}),
                **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}))
 
 
@@ -273,7 +275,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "threads": cfg.threads if cfg.threads is not None else torch.get_num_threads(),
         "seed": cfg.seed, "warmup": cfg.warmup, "peers": cfg.peers, "placement": cfg.placement,
         "spec_max_batch": cfg.spec_max_batch, "kv_cache_gb": cfg.kv_cache_gb,
-        "interleaved": cfg.interleave,
+        "interleaved": cfg.interleave, "auto_ssd": cfg.auto_ssd,
         "run_order": ("every batch of prompts runs once per configuration, in an order rotating by one "
                       "configuration per batch; engines share the loaded weights" if cfg.interleave else
                       "one configuration after another (AR first)"),

@@ -53,7 +53,8 @@ class LLMEngine:
 
     def __init__(self, target: ModelRunner, tokenizer, eos_token_ids: list[int], max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, draft: ModelRunner | None = None,
-                 mode: str = "ar", k: int = 4, draft_client=None, tracer=None, spec_max_batch: int | None = None):
+                 mode: str = "ar", k: int = 4, draft_client=None, tracer=None, spec_max_batch: int | None = None,
+                 thread_split: tuple[int, int] | None = None):
         self.tracer = tracer or NullTracer()
         self.spec_counters = SpecCounters()
         self.target, self.draft = target, draft
@@ -78,6 +79,10 @@ class LLMEngine:
             self.step_impl = SpeculativeStep(target, proposer, k, self.spec_counters, self.tracer,
                                              _weak_call(self._degrade), Chooser(k) if mode == "auto" else None)
             self.step_impl.max_spec_batch = spec_max_batch
+            if mode == "auto" and draft_client is not None:     # auto_ssd: SSD stints next to local ones
+                from ssd.speculation.regime import RegimePolicy
+
+                self.step_impl.add_worker(WorkerProposer(draft_client), RegimePolicy(), thread_split)
             lookahead = k + 1
         else:
             raise ValueError(f"unknown mode {mode!r}; choose ar, sd, ssd or auto")

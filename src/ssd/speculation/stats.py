@@ -45,6 +45,10 @@ class SpecCounters:
     predicted_s: float = 0.0
     committed_tokens: int = 0
     round_s: float = 0.0
+    # mode "auto" with a draft worker (auto_ssd): rounds the worker served, regime switches, worker lost
+    worker_rounds: int = 0
+    regime_switches: int = 0
+    worker_lost: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     def cover(self, k: int) -> None:
@@ -103,6 +107,9 @@ class SpecSnapshot:
     predicted_s: float = 0.0
     committed_tokens: int = 0
     round_s: float = 0.0
+    worker_rounds: int = 0
+    regime_switches: int = 0
+    worker_lost: int = 0
     wall_s: float = 0.0
 
     def delta(self, before: SpecSnapshot) -> SpecSnapshot:
@@ -139,4 +146,7 @@ class SpecSnapshot:
                     "auto_rows_by_num_draft": list(self.rows_by_num_draft),
                     "auto_predicted_tokens_per_s": per(self.predicted_tokens, self.predicted_s),
                     "auto_measured_tokens_per_s": per(self.committed_tokens, self.round_s)}
-                   if self.rows_by_num_draft else {})}
+                   if self.rows_by_num_draft else {}),
+                **({"auto_worker_round_share": per(self.worker_rounds, self.rounds),
+                    "auto_regime_switches": self.regime_switches, "auto_worker_lost": self.worker_lost}
+                   if self.worker_rounds or self.worker_lost else {})}

@@ -13,7 +13,10 @@ the round without a draft.
 """
 from __future__ import annotations
 
+import logging
 import time
+
+import torch
 
 from ssd.engine.ar import ARStep
 from ssd.engine.model_runner import ModelRunner
@@ -21,11 +24,13 @@ from ssd.engine.sequence import Sequence
 from ssd.engine.step import prefill_and_sample
 from ssd.speculation.chooser import Chooser
 from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
+from ssd.speculation.regime import WORKER, RegimePolicy
 from ssd.speculation.stats import SpecCounters
 from ssd.speculation.verifier import verify_and_commit
 from ssd.speculation.worker.messages import Source
 
 _MISS = (Source.NEURAL, Source.PARTIAL, Source.FAST)
+log = logging.getLogger(__name__)
 
 
 class SpeculativeStep:
@@ -42,6 +47,15 @@ class SpeculativeStep:
         self._ar = ARStep(target, tracer)
         self.max_spec_batch: int | None = None   # larger decode batches run rounds without a speculation
         self.last_verify_s = 0.0
+        # auto with a draft worker (auto_ssd): the worker serves some stints of rounds, `proposer` (the
+        # in-process draft) the others; the target's CPU threads follow (fewer while the worker drafts)
+        self.worker: Proposer | None = None
+        self.regime: RegimePolicy | None = None
+        self.thread_split: tuple[int, int] | None = None      # (target threads: worker rounds, local rounds)
+
+    def add_worker(self, worker: Proposer, regime: RegimePolicy, thread_split: tuple[int, int] | None) -> None:
+        self.worker, self.regime, self.thread_split = worker, regime, thread_split
+        self.counters.cover(self.k)
 
     def num_draft(self, s: Sequence) -> int:
         """Draft tokens for this sequence this round: K, capped by the request (speculate, max_draft) and
@@ -60,14 +74,49 @@ class SpeculativeStep:
             self.proposer.prefill(seqs)
         except ProposerFailed as e:
             self._failed(e)
+        if self.worker is not None:
+            for s in seqs:       # the worker takes a sequence (with its whole context) when it first drafts for it
+                s.spec_state.detached = True
         with self.tracer.span("target", "prefill"):
             prefill_and_sample(self.target, seqs)
         self.proposer.after_prefill(seqs)
 
+    def _pick_proposer(self, seqs: list[Sequence]) -> Proposer:
+        """auto_ssd: the regime of this round, with the target's threads to match."""
+        if self.regime is None:
+            return self.proposer
+        before = self.regime.switches
+        use_worker = self.regime.pick(len(seqs)) == WORKER
+        self.counters.regime_switches += self.regime.switches - before
+        if self.thread_split is not None:
+            n = self.thread_split[0 if use_worker else 1]
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+        if use_worker:
+            return self.worker
+        if not self.regime.enabled:
+            return self.proposer
+        try:
+            self.worker.skip(seqs)          # it drops them (prefix-cached) and is handed them back later
+        except ProposerFailed as e:
+            self._worker_lost(e)
+        return self.proposer
+
+    def _worker_lost(self, error: ProposerFailed) -> None:
+        """auto_ssd: the worker died or stopped answering; auto goes on with the in-process draft."""
+        log.error("auto: the draft worker failed (%s); going on with the in-process draft (exact; no SSD rounds "
+                  "from now on)", error)
+        self.counters.worker_lost += 1
+        self.regime.disable()
+        if self.thread_split is not None:
+            torch.set_num_threads(self.thread_split[1])
+
     def decode(self, seqs: list[Sequence]) -> None:
+        proposer = self._pick_proposer(seqs)
+        local = proposer is self.proposer
         num_draft = [self.num_draft(s) for s in seqs]
-        behind = self.proposer.behind(seqs)
-        if self.chooser is not None:
+        behind = proposer.behind(seqs)
+        if self.chooser is not None and local:
             num_draft = self.chooser.plan([s.seq_id for s in seqs], num_draft, behind,
                                           [s.remaining_tokens() for s in seqs])
             if not any(num_draft):
@@ -76,15 +125,18 @@ class SpeculativeStep:
         proposal = None
         try:
             if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch or not any(num_draft):
-                self.proposer.skip(seqs)
+                proposer.skip(seqs)
             else:
-                proposal = self.proposer.propose(seqs, num_draft, self.last_verify_s)
+                proposal = proposer.propose(seqs, num_draft, self.last_verify_s)
         except ProposerFailed as e:
-            self._failed(e)
+            if proposer is self.worker:
+                self._worker_lost(e)
+            else:
+                self._failed(e)
         if proposal is None:
             proposal = Proposal([[] for _ in seqs], [None] * len(seqs))
         t1 = time.perf_counter()
-        if self.proposer.name == "worker":
+        if proposer.name == "worker":
             self.tracer.add("target", "wait", t0, t1)
         for name, start, end in proposal.spans:
             self.tracer.add("draft", name, start, end)
@@ -95,13 +147,20 @@ class SpeculativeStep:
         t2 = time.perf_counter()
         self.last_verify_s = t2 - t1
         self._count(seqs, proposal, before, t1 - t0, t2 - t1)
-        if self.chooser is not None:
+        committed = sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before))
+        if self.chooser is not None and local:
             sent = [len(d) for d in proposal.tokens]
             self.counters.record_choice(sent, self.chooser.predicted_tokens, self.chooser.predicted_s,
-                                        sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before)), t2 - t0)
+                                        committed, t2 - t0)
             caught_up = sum(t for t, k in zip(behind, sent) if k > 0)
             self.chooser.observe([s.seq_id for s in seqs], sent, accepted, t1 - t0, t2 - t1, caught_up)
-        self.proposer.observe(seqs, lens, accepted, proposal)
+        proposer.observe(seqs, lens, accepted, proposal)
+        if self.regime is not None:
+            if not local:
+                self.counters.worker_rounds += 1
+                empty = Proposal([[] for _ in seqs], [None] * len(seqs))
+                self.proposer.observe(seqs, lens, [0] * len(seqs), empty)   # the local draft sat out
+            self.regime.observe(len(seqs), committed, t2 - t0)
 
     def _plain_round(self, seqs: list[Sequence]) -> None:
         """auto chose no draft for anyone: an AR step (the draft sits out and catches up later)."""
@@ -117,6 +176,8 @@ class SpeculativeStep:
         self.counters.record_choice([0] * len(seqs), self.chooser.predicted_tokens, self.chooser.predicted_s,
                                     sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before)), t1 - t0)
         self.chooser.observe([s.seq_id for s in seqs], [0] * len(seqs), [0] * len(seqs), 0.0, t1 - t0)
+        if self.regime is not None:
+            self.regime.observe(len(seqs), sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before)), t1 - t0)
 
     def _count(self, seqs: list[Sequence], proposal: Proposal, before: list[int], wait_s: float,
                verify_s: float) -> None:
@@ -144,3 +205,8 @@ class SpeculativeStep:
             self.proposer.release(seq)
         except ProposerFailed as e:
             self._failed(e)
+        if self.worker is not None and self.regime.enabled and not seq.spec_state.detached:
+            try:
+                self.worker.release(seq)
+            except ProposerFailed as e:
+                self._worker_lost(e)

@@ -1,0 +1,77 @@
+"""mode="auto" with a draft worker (`auto_ssd`): which proposer serves the next rounds, the worker
+(SSD: the draft runs on its own cores, overlapped with verification) or the in-process draft (AR /
+SD with per-sequence K chosen by `chooser.py`, the target using every core) (docs/ARCHITECTURE.md 4.1).
+
+The two regimes cannot be compared by a cost model fitted in one of them (SSD's rate depends on
+cache hits, the worker's slack and on the target having fewer cores), so both are measured: a
+regime runs for a stint of `dwell` rounds, and a stint's rate (committed tokens / its wall time,
+switching costs included: the worker catching up, the first rounds with nothing pre-drafted) updates
+that regime's estimate for the batch-size bucket it ran at. After a stint the policy switches when
+the other regime is estimated `hysteresis` faster, or when its estimate is missing or older than
+`probe_every` rounds (exploration). Exactness does not depend on any of this: every round is verified
+by the same exact rejection sampling whichever proposer drafted it.
+"""
+from __future__ import annotations
+
+LOCAL, WORKER = "local", "worker"
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes whose regimes compare alike: 1, 2, 3-4, 5-8, 9-16, ..."""
+    return max(batch_size - 1, 0).bit_length()
+
+
+class RegimePolicy:
+    def __init__(self, dwell: int = 16, probe_every: int = 128, hysteresis: float = 0.05, alpha: float = 0.5,
+                 start: str = WORKER):
+        if dwell < 1 or probe_every < dwell:
+            raise ValueError("dwell >= 1 and probe_every >= dwell are required")
+        self.dwell, self.probe_every, self.hysteresis, self.alpha = dwell, probe_every, hysteresis, alpha
+        self.current = start
+        self.enabled = True              # False once the worker is gone: local from then on
+        self.rounds = 0                  # rounds decided so far
+        self._stint = 0                  # rounds in the current stint
+        self._acc: dict[int, list[float]] = {}           # bucket -> [tokens, seconds] of this stint
+        self.rate: dict[tuple[str, int], float] = {}     # (regime, bucket) -> tokens/s estimate
+        self.seen: dict[tuple[str, int], int] = {}       # (regime, bucket) -> round it was last measured
+        self.switches = 0
+        self.rounds_by_regime = {LOCAL: 0, WORKER: 0}
+
+    def disable(self) -> None:
+        """The worker failed: every later round is local."""
+        self.enabled = False
+        self.current = LOCAL
+
+    def pick(self, batch_size: int) -> str:
+        """The regime of the next round."""
+        self.rounds += 1
+        if self.enabled and self._stint >= self.dwell:
+            self._close_stint()
+            other = LOCAL if self.current == WORKER else WORKER
+            b = bucket(batch_size)
+            mine, theirs = self.rate.get((self.current, b)), self.rate.get((other, b))
+            stale = self.rounds - self.seen.get((other, b), -10**9) > self.probe_every
+            if theirs is None or stale or mine is None or theirs > mine * (1 + self.hysteresis):
+                self.current = other
+                self.switches += 1
+        self.rounds_by_regime[self.current] += 1
+        return self.current
+
+    def observe(self, batch_size: int, tokens: int, seconds: float) -> None:
+        """The round just run (in `self.current`) committed `tokens` in `seconds`."""
+        acc = self._acc.setdefault(bucket(batch_size), [0.0, 0.0])
+        acc[0] += tokens
+        acc[1] += seconds
+        self._stint += 1
+
+    def _close_stint(self) -> None:
+        for b, (tokens, seconds) in self._acc.items():
+            if seconds <= 0:
+                continue
+            r = tokens / seconds
+            key = (self.current, b)
+            old = self.rate.get(key)
+            self.rate[key] = r if old is None else (1 - self.alpha) * old + self.alpha * r
+            self.seen[key] = self.rounds
+        self._acc.clear()
+        self._stint = 0

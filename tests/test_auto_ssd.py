@@ -1,0 +1,148 @@
+"""mode="auto" with a draft worker (auto_ssd): the regime policy as a pure class, and the engine
+switching between SSD stints (the worker) and local rounds (the in-process draft, per-sequence K)
+while staying token-identical to AR, losing the worker without losing a request."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ssd import LLM, SamplingParams
+from ssd.speculation.regime import LOCAL, WORKER, RegimePolicy, bucket
+
+from ssd_local import random_regime
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPTS = ["hello world", "abc", "def f(x):\n    return", "abab abab abab", "The quick brown fox"]
+
+
+# ---------------------------------------------------------------- the policy
+
+
+def run(policy: RegimePolicy, rates: dict[str, float], rounds: int, batch: int = 1) -> list[str]:
+    """Drive the policy with a fixed tokens/s per regime; -> the regime of every round."""
+    out = []
+    for _ in range(rounds):
+        r = policy.pick(batch)
+        out.append(r)
+        policy.observe(batch, 10, 10 / rates[r])
+    return out
+
+
+def test_buckets():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_measures_both_then_stays_with_the_faster():
+    p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
+    seq = run(p, {WORKER: 10.0, LOCAL: 20.0}, 40)
+    assert seq[:4] == [WORKER] * 4 and seq[4:8] == [LOCAL] * 4      # one stint each to measure
+    assert set(seq[8:]) == {LOCAL}                                   # then the faster one
+    assert p.rate[(LOCAL, 0)] == pytest.approx(20.0) and p.rate[(WORKER, 0)] == pytest.approx(10.0)
+    p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
+    assert set(run(p, {WORKER: 20.0, LOCAL: 10.0}, 40)[8:]) == {WORKER}
+
+
+def test_hysteresis_keeps_a_regime_that_is_barely_slower():
+    p = RegimePolicy(dwell=4, probe_every=1000, hysteresis=0.05, start=WORKER)
+    seq = run(p, {WORKER: 10.0, LOCAL: 10.3}, 40)     # worker, then local 3% faster: local is kept
+    assert set(seq[8:]) == {LOCAL}
+    p = RegimePolicy(dwell=4, probe_every=1000, hysteresis=0.05, start=LOCAL)
+    seq = run(p, {WORKER: 10.3, LOCAL: 10.0}, 40)     # local, then the worker measured 3% faster: kept
+    assert seq[4:8] == [WORKER] * 4 and set(seq[8:]) == {WORKER}
+    p = RegimePolicy(dwell=4, probe_every=1000, hysteresis=0.10, start=WORKER)
+    seq = run(p, {WORKER: 10.0, LOCAL: 10.5}, 40)     # 5% < 10%: after measuring, back is not taken
+    assert set(seq[8:]) == {LOCAL}
+
+
+def test_probes_the_other_regime_when_its_estimate_is_stale():
+    p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
+    seq = run(p, {WORKER: 10.0, LOCAL: 20.0}, 200)
+    probes = sum(1 for i in range(8, 200) if seq[i] == WORKER and seq[i - 1] == LOCAL)
+    assert 3 <= probes <= 8                           # roughly every probe_every rounds, a 4-round stint
+    assert seq.count(LOCAL) > 0.75 * len(seq)
+
+
+def test_batch_size_buckets_have_their_own_estimates():
+    p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
+    run(p, {WORKER: 10.0, LOCAL: 20.0}, 16, batch=1)
+    seq = run(p, {WORKER: 30.0, LOCAL: 20.0}, 24, batch=8)     # a new bucket: measured afresh
+    assert WORKER in seq[-8:] and p.rate[(WORKER, 3)] > p.rate[(LOCAL, 3)]
+
+
+def test_disable_is_local_for_good():
+    p = RegimePolicy(dwell=1, start=WORKER)
+    p.disable()
+    assert set(run(p, {WORKER: 100.0, LOCAL: 1.0}, 20)) == {LOCAL}
+
+
+# ---------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def ar_ref(tiny_pair):
+    llm = LLM(str(tiny_pair[0]), dtype="float32", progress=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tiny_pair, ar_ref):
+    """SSD rounds and local rounds alternate at random, in a batch that grows and shrinks (different
+    max_tokens, a late arrival): the worker is handed sequences back many times and the local draft
+    catches up after every SSD stint; every token equals AR's."""
+    random_regime(monkeypatch)
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=20)
+    from ssd.speculation.step import SpeculativeStep
+
+    step, dbm = llm.engine.step_impl, llm.engine.draft.block_manager
+    real, leaks = SpeculativeStep.decode, []
+
+    def decode(self, seqs):          # after every round the local draft holds exactly what it has fed
+        real(self, seqs)
+        leaks.extend(s.seq_id for s in seqs if dbm.num_tokens(s.seq_id) != s.spec_state.draft_cached)
+    monkeypatch.setattr(SpeculativeStep, "decode", decode)
+    assert step.worker is not None
+    try:
+        outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                      for n in (20, 7, 20, 12, 20)])
+        assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(ar_ref, (20, 7, 20, 12, 20))]
+        assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == ar_ref[2]
+        assert not leaks                  # SSD rounds give back the local draft's reserved slots
+        m = llm.engine.spec_metrics()
+        assert m.worker_rounds > 5 and m.rounds - m.worker_rounds > 5 and m.regime_switches > 5
+        assert m.hits + m.misses > 0 and m.worker_lost == 0
+        d = m.to_dict()
+        assert 0 < d["auto_worker_round_share"] < 1
+    finally:
+        llm.close()
+
+
+def test_losing_the_worker_keeps_auto_going_locally(monkeypatch, tiny_pair, ar_ref):
+    random_regime(monkeypatch)
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=10)
+    try:
+        stream = llm.stream(PROMPTS[0], GREEDY)
+        got = next(stream).token_ids + next(stream).token_ids
+        os.kill(llm._client.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for chunk in stream:
+            got += chunk.token_ids
+        assert got == ar_ref[0] and time.monotonic() - t0 < 30
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref
+        m = llm.engine.spec_metrics()
+        assert m.worker_lost == 1 and llm.engine.mode == "auto" and llm.engine.degraded_from is None
+        before = m.worker_rounds
+        llm.generate(PROMPTS[:2], GREEDY)
+        assert llm.engine.spec_metrics().worker_rounds == before      # no SSD rounds any more
+    finally:
+        llm.close()
+
+
+def test_auto_ssd_is_only_for_auto(tiny_pair):
+    with pytest.raises(ValueError, match="auto_ssd"):
+        LLM(str(tiny_pair[0]), draft=str(tiny_pair[1]), mode="sd", auto_ssd=True, dtype="float32", progress=False)
