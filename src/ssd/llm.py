@@ -67,7 +67,7 @@ class LLM:
         self.engine = LLMEngine(target_runner, self.tokenizer, eos, self.max_model_len, cfg.max_num_seqs,
                                 cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
                                 Tracer() if cfg.trace else None, cfg.spec_max_batch, thread_split)
-        self.engine.prefill_threads = cfg.prefill_threads
+        self.engine.prefill_threads = cfg.prefill_threads or (thread_split[1] if thread_split else None)
         self._client = draft_client
 
     @staticmethod
