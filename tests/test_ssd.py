@@ -400,3 +400,15 @@ def test_two_ssd_engines_live_in_one_process(tiny_pair, ar_ref):
     finally:
         a.close()
         b.close()
+
+
+def test_worker_start_up_is_not_bounded_by_the_message_timeout(tiny_pair, ar_ref):
+    """Starting the worker (a new Python process importing torch, then loading the draft) takes
+    seconds; the per-message timeout may be shorter: start-up has its own, longer bound."""
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+              worker_timeout_s=1.5)
+    try:
+        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == ar_ref[0]
+    finally:
+        llm.close()

@@ -21,7 +21,10 @@ class DraftWorkerError(RuntimeError):
 
 class DraftClient:
     def __init__(self, config: m.WorkerConfig, *, threads: int | None = None, cores: list[int] | None = None,
-                 device: str = "cpu", timeout_s: float = 60.0, listen: str | None = None):
+                 device: str = "cpu", timeout_s: float = 60.0, listen: str | None = None,
+                 start_timeout_s: float = 300.0):
+        """timeout_s bounds every message exchange once the worker is up; start_timeout_s bounds its
+        start-up (process start, rendezvous, loading the draft: minutes on a busy machine or a big draft)."""
         self.config = config
         self.proc = None
         self.abandoned = False
@@ -35,10 +38,11 @@ class DraftClient:
             if cores:
                 cmd += ["--cores", ",".join(map(str, cores))]
             self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
-        self._join(host, port, timeout_s)
+        start = max(start_timeout_s, timeout_s)
+        self._join(host, port, start, timeout_s)
         self.chan.vocab = config.target_vocab
         self.chan.send(config)
-        msg = self._recv_start_up(host, port)
+        msg = self._recv_start_up(host, port, start)
         if isinstance(msg, m.Error):
             self.close()
             raise DraftWorkerError(msg.text)
@@ -48,13 +52,13 @@ class DraftClient:
         self.vocab, self.pid = msg.vocab, msg.pid
         log.info("draft worker %d is up (%s)", self.pid, "local process" if self.proc else f"remote, {host}:{port}")
 
-    def _join(self, host: str, port: int, timeout_s: float) -> None:
+    def _join(self, host: str, port: int, timeout_s: float, op_timeout_s: float) -> None:
         """Rendezvous without hanging on a worker that died before joining."""
         err: list[BaseException] = []
 
         def join():
             try:
-                self.chan = Channel(host, port, 0, timeout_s)
+                self.chan = Channel(host, port, 0, timeout_s, op_timeout_s)
             except BaseException as e:  # noqa: BLE001 - reported to the caller thread
                 err.append(e)
 
@@ -71,7 +75,18 @@ class DraftClient:
             self.close()
             raise DraftWorkerError(f"could not set up the engine/worker link on {host}:{port}: {err[0]}")
 
-    def _recv_start_up(self, host: str, port: int):
+    def _recv_start_up(self, host: str, port: int, timeout_s: float):
+        """The worker's Hello (or Error), once it has loaded its draft: wait on the doorbell (it rings
+        before the message is sent) while checking that a local worker is still alive."""
+        deadline = time.monotonic() + timeout_s
+        while not self.chan.pending():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self.close()
+                raise DraftWorkerError(f"the draft worker at {host}:{port} did not report ready within "
+                                       f"{timeout_s:.0f}s (loading the draft); a slow machine or a big draft "
+                                       "needs a larger worker start-up timeout")
+            time.sleep(0.02)
         try:
             return self.chan.recv()
         except Exception as e:
