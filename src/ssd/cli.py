@@ -115,6 +115,9 @@ def format_decisions(delta) -> str:
         pred, meas = d.get("auto_predicted_tokens_per_s"), d.get("auto_measured_tokens_per_s")
         if pred and meas:
             parts.append(f"predicted {pred:.1f} vs measured {meas:.1f} tok/s")
+    if d.get("auto_worker_round_share") is not None:
+        parts.append(f"auto: SSD rounds {d['auto_worker_round_share']:.0%}, {d['auto_regime_switches']} switch(es)"
+                     + (", draft worker lost" if d.get("auto_worker_lost") else ""))
     return " | ".join(parts)
 
 
