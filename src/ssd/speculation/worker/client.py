@@ -27,6 +27,7 @@ class DraftClient:
         self.abandoned = False
         self.chan: Channel | None = None
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
+        self.address = f"{host}:{port}"
         if listen is None:
             cmd = [sys.executable, "-m", "ssd.speculation.worker", "--connect", f"{host}:{port}",
                    "--device", device, "--timeout", str(timeout_s)]
@@ -92,7 +93,14 @@ class DraftClient:
             self.chan.send(m.Free(list(seq_ids)))
 
     def speculate(self, requests: list[m.Request], verify_s: float = 0.0) -> m.Speculation:
+        self.send_speculate(requests, verify_s)
+        return self.recv_speculation()
+
+    def send_speculate(self, requests: list[m.Request], verify_s: float = 0.0) -> None:
+        """Ask for a round's speculation without waiting for it (several workers then draft at once)."""
         self.chan.send(m.Speculate(requests, verify_s))
+
+    def recv_speculation(self) -> m.Speculation:
         msg = self.chan.recv()
         if not isinstance(msg, m.Speculation):
             raise DraftWorkerError(f"unexpected reply {type(msg).__name__}")
