@@ -1,0 +1,167 @@
+"""SSD with data-parallel drafts (num_draft_workers = M > 1): assignment and placement (pure), greedy
+identity with AR at batch 1 and 8, one worker failing mid-run (in-process stand-ins and real worker
+processes killed with SIGKILL): every request finishes, identical to AR, in bounded time. The
+statistical check at temperature > 0 is in test_joint_distribution.py (2 workers, one failing)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from ssd import LLM, SamplingParams
+from ssd.speculation.worker.assign import Assignment, pick_worker
+from ssd.speculation.worker.placement import local_cores, per_worker_cores, split_hosts
+
+from ssd_local import local_ssd
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = ["hello world", "abc", "def f(x):\n    return", "abab abab abab", "The quick brown fox",
+           "0123456789", "zzz", "import os\nimport"]
+
+
+@pytest.fixture(scope="module")
+def ar_ref(tiny_pair):
+    llm = LLM(str(tiny_pair[0]), dtype="float32", progress=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+# ---------------------------------------------------------------- pure: assignment and placement
+
+
+def test_pick_worker_is_least_loaded_live_lowest_index():
+    assert pick_worker([0, 0, 0], [True] * 3) == 0
+    assert pick_worker([2, 1, 1], [True] * 3) == 1
+    assert pick_worker([2, 1, 0], [True, True, False]) == 1
+    assert pick_worker([0, 0], [False, False]) is None
+
+
+def test_assignment_balances_keeps_sequences_and_moves_a_failed_workers_sequences():
+    a = Assignment(2)
+    assert [a.place(s) for s in range(5)] == [0, 1, 0, 1, 0] and a.loads == [3, 2]
+    assert a.place(3) == 1                          # a sequence stays with its worker
+    a.drop(0)
+    a.drop(2)                                       # worker 0 now holds only 4
+    assert a.loads == [1, 2] and a.place(10) == 0 and a.place(11) == 0 and a.loads == [3, 2]
+    assert sorted(a.fail(0)) == [4, 10, 11] and a.loads == [0, 2] and a.num_live() == 1
+    assert [a.place(s) for s in (4, 10, 11)] == [1, 1, 1] and a.loads == [0, 5]
+    a.fail(1)
+    assert a.place(12) is None and a.num_live() == 0
+    with pytest.raises(ValueError):
+        Assignment(0)
+
+
+def test_placement_defaults_and_clear_errors():
+    assert local_cores(range(8), 1) == [[7]]
+    assert local_cores(range(8), 3) == [[5], [6], [7]]            # the last M cores; the target keeps 0-4
+    assert local_cores([0], 1) == [None]                          # one core: shared, as before
+    assert local_cores([0, 1], 2, [[0], [1]]) == [[0], [1]]       # explicit: may share with the target
+    assert per_worker_cores([2, 3], 1) == [[2, 3]]
+    with pytest.raises(ValueError, match="need 3 CPU cores.*--draft-workers"):
+        local_cores([0, 1], 2)
+    with pytest.raises(ValueError, match="one list per worker"):
+        per_worker_cores([1, 2], 2)
+    with pytest.raises(ValueError, match="must not share a core"):
+        per_worker_cores([[1], [1, 2]], 2)
+    with pytest.raises(ValueError, match="may not use"):
+        local_cores([0, 1], 1, [5])
+    assert split_hosts("10.0.0.2:1, 10.0.0.3:1") == ["10.0.0.2:1", "10.0.0.3:1"]
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        split_hosts(["10.0.0.2"])
+    with pytest.raises(ValueError, match="twice"):
+        split_hosts("h:1,h:1")
+
+
+def test_config_checks_worker_count_against_hosts_and_mode():
+    from ssd.config import EngineConfig
+
+    assert EngineConfig(model="t", draft="d", mode="ssd", draft_host=["a:1", "b:2"]).num_draft_workers == 2
+    assert EngineConfig(model="t", draft="d", mode="ssd").num_draft_workers == 1
+    with pytest.raises(ValueError, match="one HOST:PORT per worker"):
+        EngineConfig(model="t", draft="d", mode="ssd", draft_host="a:1", num_draft_workers=2)
+    with pytest.raises(ValueError, match="applies to mode 'ssd'"):
+        EngineConfig(model="t", draft="d", mode="sd", num_draft_workers=2)
+
+
+# ---------------------------------------------------------------- in-process workers
+
+
+@pytest.fixture(scope="module")
+def two_local(tiny_pair):
+    with pytest.MonkeyPatch.context() as mp:
+        llm, clients = local_ssd(mp, tiny_pair[0], tiny_pair[1], workers=2)
+    return llm, clients
+
+
+def test_two_workers_greedy_equals_ar_at_batch_1_and_8(two_local, ar_ref):
+    llm, clients = two_local
+    seen = [set(), set()]
+    for w, c in enumerate(clients):
+        send = c.send_speculate
+        c.send_speculate = lambda reqs, *a, _w=w, _send=send: seen[_w].update(r.seq_id for r in reqs) or _send(reqs, *a)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref          # batch of 8
+        assert len(seen[0]) == len(seen[1]) == 4 and not seen[0] & seen[1]            # 4 each, disjoint
+        assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == ar_ref[2]              # batch of 1
+    finally:
+        for c in clients:
+            del c.send_speculate
+    m = llm.engine.spec_metrics()
+    assert m.draft_workers == 2 and m.worker_failures == 0 and m.rounds > 0
+    assert not clients[0].worker.seqs and not clients[1].worker.seqs               # all released
+    assert m.to_dict()["draft_workers"] == 2
+
+
+def test_one_in_process_worker_failing_moves_only_its_sequences(monkeypatch, tiny_pair, ar_ref, caplog):
+    llm, clients = local_ssd(monkeypatch, tiny_pair[0], tiny_pair[1], workers=2)
+    clients[0].fail_at_round = 3                    # dies while answering its third round
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_ref
+    m = llm.engine.spec_metrics()
+    assert llm.engine.degraded_from is None and llm.engine.mode == "ssd"
+    assert m.worker_failures == 1 and m.seqs_moved == 4 and m.seqs_to_local == 0
+    assert clients[1].rounds > clients[0].rounds and "move to the 1 other worker" in caplog.text
+    clients[1].fail_at_round = clients[1].rounds + 2     # the last one fails too: local AR, still exact
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref
+    m = llm.engine.spec_metrics()
+    assert llm.engine.degraded_from == "ssd" and m.worker_failures == 2 and m.seqs_to_local == len(PROMPTS)
+
+
+# ---------------------------------------------------------------- real worker processes
+
+
+def test_two_worker_processes_one_killed_mid_run(tiny_pair, ar_ref):
+    """Two local worker processes (one per core of this 2-core machine, explicitly placed). Greedy
+    equals AR; SIGKILL one of them mid-generation: every request finishes with AR's tokens, within a
+    bounded time, and only the dead worker's sequences moved."""
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+              worker_timeout_s=20, num_draft_workers=2, draft_cores=[[0], [1]], threads=1)
+    try:
+        pids = [c.pid for c in llm._clients]
+        assert len(set(pids)) == 2
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref
+        eng = llm.engine
+        got = {f"r{i}": [] for i in range(4)}
+        for rid, p in zip(got, PROMPTS):
+            eng.add_request(rid, llm.encode(p), GREEDY)
+        done, steps, t0 = set(), 0, time.monotonic()
+        while len(done) < len(got):
+            for out in eng.step():
+                got[out.seq.request_id] += out.new_token_ids
+                if out.seq.finished:
+                    done.add(out.seq.request_id)
+            steps += 1
+            if steps == 3:              # prefill, one round, then worker 0 dies
+                os.kill(pids[0], signal.SIGKILL)
+            assert time.monotonic() - t0 < 30, "requests did not finish after a worker died"
+        assert list(got.values()) == ar_ref[:4]
+        m = llm.engine.spec_metrics()
+        assert llm.engine.degraded_from is None and m.worker_failures == 1 and m.seqs_moved == 2
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref    # later requests: worker 1
+        assert llm.engine.spec_metrics().worker_failures == 1
+    finally:
+        t0 = time.monotonic()
+        llm.close()
+        assert time.monotonic() - t0 < 10
