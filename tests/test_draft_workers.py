@@ -95,18 +95,34 @@ def two_local(tiny_pair):
 
 
 def test_two_workers_greedy_equals_ar_at_batch_1_and_8(two_local, ar_ref):
+    """Also: each round asks both workers before it waits for either (they draft at the same time)."""
     llm, clients = two_local
-    seen = [set(), set()]
+    seen, events = [set(), set()], []
+
+    def spy(w, c):
+        send, recv = c.send_speculate, c.recv_speculation
+
+        def send_speculate(reqs, *a):
+            seen[w].update(r.seq_id for r in reqs)
+            events.append(("send", w))
+            return send(reqs, *a)
+
+        def recv_speculation():
+            events.append(("recv", w))
+            return recv()
+        c.send_speculate, c.recv_speculation = send_speculate, recv_speculation
+
     for w, c in enumerate(clients):
-        send = c.send_speculate
-        c.send_speculate = lambda reqs, *a, _w=w, _send=send: seen[_w].update(r.seq_id for r in reqs) or _send(reqs, *a)
+        spy(w, c)
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref          # batch of 8
         assert len(seen[0]) == len(seen[1]) == 4 and not seen[0] & seen[1]            # 4 each, disjoint
+        rounds = len(events) // 4
+        assert rounds > 2 and events == [("send", 0), ("send", 1), ("recv", 0), ("recv", 1)] * rounds
         assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == ar_ref[2]              # batch of 1
     finally:
         for c in clients:
-            del c.send_speculate
+            del c.send_speculate, c.recv_speculation
     m = llm.engine.spec_metrics()
     assert m.draft_workers == 2 and m.worker_failures == 0 and m.rounds > 0
     assert not clients[0].worker.seqs and not clients[1].worker.seqs               # all released
@@ -165,3 +181,33 @@ def test_two_worker_processes_one_killed_mid_run(tiny_pair, ar_ref):
         t0 = time.monotonic()
         llm.close()
         assert time.monotonic() - t0 < 10
+
+
+def test_a_silent_worker_process_times_out_and_only_its_sequences_move(tiny_pair, ar_ref):
+    """SIGSTOP (alive, silent): the engine's wait for that worker ends after worker_timeout_s, the
+    worker is killed, its sequences finish on the other worker, identical to AR."""
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+              worker_timeout_s=4, num_draft_workers=2, draft_cores=[[0], [1]], threads=1)
+    pid = llm._clients[1].pid
+    try:
+        eng = llm.engine
+        for i, p in enumerate(PROMPTS[:4]):
+            eng.add_request(f"r{i}", llm.encode(p), GREEDY)
+        eng.step()                                  # prefill: two sequences on each worker
+        os.kill(pid, signal.SIGSTOP)
+        got, t0 = {rid: list(s.output_token_ids) for rid, s in eng.seqs.items()}, time.monotonic()
+        while eng.has_unfinished():
+            for out in eng.step():
+                got[out.seq.request_id] += out.new_token_ids
+            assert time.monotonic() - t0 < 40, "requests did not finish after a worker went silent"
+        assert list(got.values()) == ar_ref[:4]
+        m = eng.spec_metrics()
+        assert eng.degraded_from is None and m.worker_failures == 1 and m.seqs_moved == 2
+        assert llm._clients[1].proc.wait(5) is not None        # killed, not left stopped
+    finally:
+        llm.close()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
