@@ -211,3 +211,24 @@ def test_a_silent_worker_process_times_out_and_only_its_sequences_move(tiny_pair
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.parametrize("verb", ["generate", "chat", "serve", "bench"])
+def test_cli_draft_workers_flags(verb):
+    from ssd.cli import _llm, build_parser, parse_cores
+
+    args = build_parser().parse_args([verb, "--mode", "ssd", "--draft", "d", "--draft-workers", "2",
+                                      "--draft-cores", "2,3/4", "--draft-host", "10.0.0.1:1,10.0.0.1:2"])
+    assert args.draft_workers == 2 and parse_cores(args.draft_cores) == [[2, 3], [4]]
+    if verb == "generate":
+        import ssd
+
+        seen = {}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ssd, "LLM", lambda model, **kw: seen.update(kw))
+            _llm(args)
+        assert seen["num_draft_workers"] == 2 and seen["draft_cores"] == [[2, 3], [4]]
+        assert seen["draft_host"] == "10.0.0.1:1,10.0.0.1:2"
+    assert parse_cores("1") == [1]
+    with pytest.raises(SystemExit, match="--draft-cores"):
+        parse_cores("a,b")
