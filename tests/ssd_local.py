@@ -38,13 +38,14 @@ class LocalDraftClient:
             self.worker.free(i)
 
     def speculate(self, requests, verify_s=0.0) -> m.Speculation:
-        self.send_speculate(requests, verify_s)
+        self.post_speculate(requests, verify_s).wait()
         return self.recv_speculation()
 
-    def send_speculate(self, requests, verify_s=0.0) -> None:
+    def post_speculate(self, requests, verify_s=0.0):
         if self.dead:
             raise ConnectionError("stand-in worker is dead")
         self._asked = (list(requests), verify_s)
+        return _Sent()
 
     def recv_speculation(self) -> m.Speculation:
         requests, verify_s = self._asked
@@ -67,6 +68,11 @@ class LocalDraftClient:
         self.dead = True
 
     def close(self) -> None:
+        pass
+
+
+class _Sent:
+    def wait(self) -> None:
         pass
 
 

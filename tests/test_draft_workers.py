@@ -100,9 +100,9 @@ def test_two_workers_greedy_equals_ar_at_batch_1_and_8(two_local, ar_ref):
     seen, events = [set(), set()], []
 
     def spy(w, c):
-        send, recv = c.send_speculate, c.recv_speculation
+        send, recv = c.post_speculate, c.recv_speculation
 
-        def send_speculate(reqs, *a):
+        def post_speculate(reqs, *a):
             seen[w].update(r.seq_id for r in reqs)
             events.append(("send", w))
             return send(reqs, *a)
@@ -110,7 +110,7 @@ def test_two_workers_greedy_equals_ar_at_batch_1_and_8(two_local, ar_ref):
         def recv_speculation():
             events.append(("recv", w))
             return recv()
-        c.send_speculate, c.recv_speculation = send_speculate, recv_speculation
+        c.post_speculate, c.recv_speculation = post_speculate, recv_speculation
 
     for w, c in enumerate(clients):
         spy(w, c)
@@ -122,7 +122,7 @@ def test_two_workers_greedy_equals_ar_at_batch_1_and_8(two_local, ar_ref):
         assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == ar_ref[2]              # batch of 1
     finally:
         for c in clients:
-            del c.send_speculate, c.recv_speculation
+            del c.post_speculate, c.recv_speculation
     m = llm.engine.spec_metrics()
     assert m.draft_workers == 2 and m.worker_failures == 0 and m.rounds > 0
     assert not clients[0].worker.seqs and not clients[1].worker.seqs               # all released
@@ -232,3 +232,28 @@ def test_cli_draft_workers_flags(verb):
     assert parse_cores("1") == [1]
     with pytest.raises(SystemExit, match="--draft-cores"):
         parse_cores("a,b")
+
+
+def test_channel_post_does_not_wait_for_the_peer():
+    """A gloo send completes only once the peer receives; post() returns at once (and rings the
+    doorbell), so a round can ask every worker before waiting for any."""
+    import threading
+
+    from ssd.speculation.worker import messages as m
+    from ssd.speculation.worker.transport import Channel, free_port
+
+    port, peer = free_port(), {}
+    t = threading.Thread(target=lambda: peer.update(c=Channel("127.0.0.1", port, 1, 10)))
+    t.start()
+    eng = Channel("127.0.0.1", port, 0, 10)
+    t.join(10)
+    try:
+        t0 = time.monotonic()
+        handle = eng.post(m.Free([1, 2]))
+        assert time.monotonic() - t0 < 0.5 and peer["c"].pending()
+        time.sleep(0.2)
+        assert peer["c"].recv().seq_ids == [1, 2]
+        handle.wait()
+    finally:
+        eng.close()
+        peer["c"].close()

@@ -93,12 +93,13 @@ class DraftClient:
             self.chan.send(m.Free(list(seq_ids)))
 
     def speculate(self, requests: list[m.Request], verify_s: float = 0.0) -> m.Speculation:
-        self.send_speculate(requests, verify_s)
+        self.post_speculate(requests, verify_s).wait()
         return self.recv_speculation()
 
-    def send_speculate(self, requests: list[m.Request], verify_s: float = 0.0) -> None:
-        """Ask for a round's speculation without waiting for it (several workers then draft at once)."""
-        self.chan.send(m.Speculate(requests, verify_s))
+    def post_speculate(self, requests: list[m.Request], verify_s: float = 0.0):
+        """Start asking for a round's speculation; wait() on the result returns once the worker has the
+        request (several workers are asked first and waited for after, so they draft at once)."""
+        return self.chan.post(m.Speculate(requests, verify_s))
 
     def recv_speculation(self) -> m.Speculation:
         msg = self.chan.recv()

@@ -113,12 +113,18 @@ class WorkerProposer:
         groups: dict[int, list[int]] = {}
         for b, s in enumerate(seqs):
             groups.setdefault(self._home(s), []).append(b)
-        sent = []
-        for w, rows in groups.items():          # every worker gets its share first ...
+        posted = {}
+        for w, rows in groups.items():          # every worker is asked first ...
             reqs = [m.Request(seqs[b].seq_id, seqs[b].spec_state.accepted, seqs[b].spec_state.bonus, num_draft[b])
                     for b in rows]
             try:
-                self.clients[w].send_speculate(reqs, verify_s)
+                posted[w] = self.clients[w].post_speculate(reqs, verify_s)
+            except Exception as e:      # noqa: BLE001
+                self._fail(w, e)
+        sent = []
+        for w, handle in posted.items():
+            try:
+                handle.wait()
                 sent.append(w)
             except Exception as e:      # noqa: BLE001
                 self._fail(w, e)

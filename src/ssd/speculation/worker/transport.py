@@ -46,12 +46,18 @@ class Channel:
         return self.store.add(f"doorbell-{self.rank}", 0) > self.received
 
     def send(self, msg) -> None:
+        self.post(msg).wait()
+
+    def post(self, msg) -> "Posted":
+        """Start sending `msg`; the returned handle's wait() returns once the peer has received it.
+        (A gloo send completes only when the peer posts the matching receive: a worker busy with a
+        draft step takes it at the end of that step, so an engine fanning a round out to several
+        workers posts to all of them before waiting for any.)"""
         kind, ints, floats = m.encode(msg)
-        self.store.add(f"doorbell-{self.peer}", 1)      # ring first: a send may block until received
+        self.store.add(f"doorbell-{self.peer}", 1)      # ring first: the peer stops at its next poll
         header = torch.tensor([int(kind), ints.numel(), floats.numel()], dtype=torch.long)
-        for t in (header, ints, floats):
-            if t is header or t.numel():
-                self.group.send([t.contiguous()], self.peer, 0).wait()
+        tensors = [t.contiguous() for t in (header, ints, floats) if t is header or t.numel()]
+        return Posted([self.group.send([t], self.peer, 0) for t in tensors], tensors)
 
     def recv(self):
         header = torch.zeros(_HEADER, dtype=torch.long)
@@ -78,6 +84,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Posted:
+    """Sends in flight (the tensors are kept alive until they complete)."""
+
+    def __init__(self, works, tensors):
+        self.works, self.tensors = works, tensors
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works, self.tensors = [], []
 
 
 def local_address(host: str, port: int) -> str:
