@@ -233,6 +233,8 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
             mode = llm.config.mode
             if getattr(llm.engine, "degraded_from", None):
                 mode = f"{llm.engine.degraded_from} -> {llm.engine.mode}: draft worker failed"
+            elif now.worker_failures:
+                mode += f": {now.worker_failures} of {now.draft_workers} draft workers failed"
             if final is not None:
                 err.write(f"[{mode}] {format_metrics(final.metrics)} | cache hit rate "
                           f"{'n/a' if hit is None else f'{hit:.2f}'} | finish: {final.finish_reason}\n")
