@@ -2,7 +2,7 @@
 (10.77.0.1/24 for the engine, 10.77.0.2/24 for the workers), no loopback between them, real TCP.
 The workers are started exactly as on a second host (`python -m ssd.cli draft-worker --connect
 ENGINE_IP:PORT`), the engine in the other namespace with draft_host. Checks: greedy output equals
-AR with two remote workers; a worker that never joins is a clear error within bounded time, and
+AR with two remote workers, also when one of them is killed mid-run; a worker that never joins is a clear error within bounded time, and
 the worker that did join is shut down.
 
 Needs root and `ip netns`; skipped otherwise. The namespaces are always deleted afterwards.
@@ -32,10 +32,20 @@ from ssd import LLM, SamplingParams
 target, draft, hosts, timeout = sys.argv[1], sys.argv[2], sys.argv[3].split(","), float(sys.argv[4])
 llm = LLM(target, draft=draft, mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
           worker_timeout_s=timeout, draft_host=hosts, threads=1)
-outs = llm.generate(json.loads(sys.argv[5]), SamplingParams(**json.loads(sys.argv[6])))
-m = llm.engine.spec_metrics()
-print(json.dumps({"tokens": [o.token_ids for o in outs], "rounds": m.rounds, "workers": m.draft_workers,
-                  "failures": m.worker_failures, "degraded": llm.engine.degraded_from}))
+prompts, params = json.loads(sys.argv[5]), SamplingParams(**json.loads(sys.argv[6]))
+kill_after = int(sys.argv[7])       # > 0: SIGKILL the first worker (pid from its Hello) after that many steps
+eng, steps = llm.engine, 0
+seqs = [eng.add_request(f"r{i}", llm.encode(p), params) for i, p in enumerate(prompts)]
+while eng.has_unfinished():
+    eng.step()
+    steps += 1
+    if steps == kill_after:
+        import os, signal
+        os.kill(llm._clients[0].pid, signal.SIGKILL)
+m = eng.spec_metrics()
+print(json.dumps({"tokens": [list(s.output_token_ids) for s in seqs], "rounds": m.rounds,
+                  "workers": m.draft_workers, "failures": m.worker_failures, "moved": m.seqs_moved,
+                  "degraded": eng.degraded_from}))
 llm.close()
 """
 
@@ -83,11 +93,11 @@ def _worker(ns: str, port: int) -> subprocess.Popen:
                        "--timeout", "60", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _engine(ns: str, tmp_path, tiny_pair, hosts: list[str], timeout_s: float) -> subprocess.Popen:
+def _engine(ns: str, tmp_path, tiny_pair, hosts: list[str], timeout_s: float, kill_after: int = 0) -> subprocess.Popen:
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
     return _in_ns(ns, [sys.executable, str(script), str(tiny_pair[0]), str(tiny_pair[1]), ",".join(hosts),
-                       str(timeout_s), json.dumps(PROMPTS), json.dumps(GREEDY)],
+                       str(timeout_s), json.dumps(PROMPTS), json.dumps(GREEDY), str(kill_after)],
                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -104,19 +114,36 @@ def test_namespaces_are_really_separate(netns):
     assert WORKER_IP in r.stdout and ENGINE_IP not in r.stdout
 
 
-def test_two_remote_workers_across_namespaces_equal_ar(netns, tiny_pair, tmp_path):
-    ref = [o.token_ids for o in LLM(str(tiny_pair[0]), dtype="float32", progress=False)
-           .generate(PROMPTS, SamplingParams(**GREEDY))]
+@pytest.fixture(scope="module")
+def ar_ref(tiny_pair):
+    llm = LLM(str(tiny_pair[0]), dtype="float32", progress=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["both-up", "one-killed"])
+def test_two_remote_workers_across_namespaces_equal_ar(netns, tiny_pair, tmp_path, ar_ref, kill):
+    """Greedy = AR with two workers on the other 'host'; with `kill`, the engine SIGKILLs the first one
+    after prefill and a round (the pid is the worker's own, from its Hello): its sequences finish on the
+    second worker over the same real link, still = AR, in bounded time."""
     ens, wns = netns
-    workers = [_worker(wns, 29611), _worker(wns, 29612)]
-    engine = _engine(ens, tmp_path, tiny_pair, [f"{ENGINE_IP}:29611", f"{ENGINE_IP}:29612"], 30)
+    port = 29611 + 2 * kill
+    workers = [_worker(wns, port), _worker(wns, port + 1)]
+    t0 = time.monotonic()
+    engine = _engine(ens, tmp_path, tiny_pair, [f"{ENGINE_IP}:{port}", f"{ENGINE_IP}:{port + 1}"], 30,
+                     kill_after=3 if kill else 0)
     try:
         out, err = engine.communicate(timeout=240)
         assert engine.returncode == 0, err[-3000:]
         res = json.loads(out.strip().splitlines()[-1])
-        assert res["tokens"] == ref
-        assert res["workers"] == 2 and res["failures"] == 0 and res["degraded"] is None and res["rounds"] > 0
-        assert [w.wait(30) for w in workers] == [0, 0]      # the engine's shutdown ends both workers
+        assert res["tokens"] == ar_ref
+        assert res["workers"] == 2 and res["degraded"] is None and res["rounds"] > 0
+        assert time.monotonic() - t0 < 120
+        if kill:
+            assert res["failures"] == 1 and res["moved"] > 0, res
+            assert workers[0].wait(10) == -9 and workers[1].wait(30) == 0
+        else:
+            assert res["failures"] == 0
+            assert [w.wait(30) for w in workers] == [0, 0]      # the engine's shutdown ends both workers
     finally:
         _stop(engine, *workers)
 
