@@ -81,6 +81,7 @@ def netns():
     finally:
         for ns in created:          # deleting a namespace deletes its end of the veth pair (and the pair)
             _ip("netns", "del", ns)
+        _ip("link", "del", f"ve{tag}")     # in case set-up failed before the pair moved (else: no such device)
 
 
 def _in_ns(ns: str, argv: list[str], **kw) -> subprocess.Popen:
