@@ -84,6 +84,21 @@ def test_config_checks_worker_count_against_hosts_and_mode():
         EngineConfig(model="t", draft="d", mode="sd", num_draft_workers=2)
 
 
+def test_cpu_split_with_several_workers(monkeypatch):
+    """The target decodes on the cores the workers leave; too few cores fail before any model loads."""
+    from ssd.config import EngineConfig
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cfg = EngineConfig(model="t", draft="d", mode="ssd", num_draft_workers=2)
+    LLM._ssd_cpu_split(cfg)
+    assert (cfg.threads, cfg.prefill_threads) == (2, 4)
+    cfg = EngineConfig(model="t", draft="d", mode="ssd", num_draft_workers=2, draft_cores=[[1, 2], [3]])
+    LLM._ssd_cpu_split(cfg)
+    assert cfg.threads == 1
+    with pytest.raises(ValueError, match="4 local draft workers need 5 CPU cores"):
+        LLM(model="t", draft="d", mode="ssd", num_draft_workers=4)
+
+
 # ---------------------------------------------------------------- in-process workers
 
 
