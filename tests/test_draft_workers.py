@@ -99,6 +99,96 @@ def test_cpu_split_with_several_workers(monkeypatch):
         LLM(model="t", draft="d", mode="ssd", num_draft_workers=4)
 
 
+# ---------------------------------------------------------------- the proposer over fake workers
+
+
+class FakeWorker:
+    """Holds sequence ids; answers one CACHE token per sequence; refuses a Speculate for a sequence it
+    was never given (what a real worker would fail on); can die on the add of a given sequence."""
+
+    def __init__(self, die_on_add_of: int | None = None):
+        self.held, self.dead, self.die_on_add_of, self.asked = set(), False, die_on_add_of, []
+
+    def _alive(self):
+        if self.dead:
+            raise ConnectionError("dead")
+
+    def add(self, msg):
+        self._alive()
+        if msg.seq_id == self.die_on_add_of:
+            self.dead = True
+            raise ConnectionError("died while adding")
+        self.held.add(msg.seq_id)
+
+    def free(self, ids):
+        self._alive()
+        self.held -= set(ids)
+
+    def post_speculate(self, reqs, verify_s=0.0):
+        self._alive()
+        assert {r.seq_id for r in reqs} <= self.held, "asked for a sequence it was never given"
+        self.asked = [r.seq_id for r in reqs]
+        return type("Sent", (), {"wait": lambda self: None})()
+
+    def recv_speculation(self):
+        from ssd.speculation.worker import messages as m
+
+        self._alive()
+        return m.Speculation([m.Reply(i, m.Source.CACHE, [7]) for i in self.asked])
+
+    def abandon(self):
+        self.dead = True
+
+
+def fake_seqs(n: int):
+    from types import SimpleNamespace
+
+    from ssd.engine.sequence import SpecState
+
+    params = SimpleNamespace(seed=1, temperature=0.0, top_k=0, top_p=1.0)
+    return [SimpleNamespace(seq_id=i, params=params, all_token_ids=[1, 2, 3], output_token_ids=[3],
+                            spec_state=SpecState()) for i in range(n)]
+
+
+def test_a_worker_dying_during_a_hand_over_moves_everything_it_had_taken():
+    """Four detached sequences handed back at once; worker 0 takes seq 0, then dies on seq 2. Seq 0
+    must be added again, to worker 1, before worker 1 is asked for it."""
+    from ssd.speculation.worker.proposer import WorkerProposer
+
+    workers = [FakeWorker(die_on_add_of=2), FakeWorker()]
+    prop = WorkerProposer(workers)
+    seqs = fake_seqs(4)
+    for s in seqs:
+        s.spec_state.detached = True
+    out = prop.propose(seqs, [1] * 4)
+    assert out.tokens == [[7]] * 4 and workers[1].held == {0, 1, 2, 3}
+    assert prop.counters.worker_failures == 1 and prop.counters.seqs_moved == 2     # seq 0, and seq 2 itself
+    assert prop.assign.loads == [0, 4]
+
+
+def test_workers_failing_in_every_phase_end_in_proposer_failed():
+    from ssd.speculation.proposer import ProposerFailed
+    from ssd.speculation.worker.proposer import WorkerProposer
+
+    workers = [FakeWorker(), FakeWorker()]
+    prop = WorkerProposer(workers)
+    seqs = fake_seqs(4)
+    prop.prefill(seqs)
+    prop.after_prefill(seqs)
+    assert [w.held for w in workers] == [{0, 2}, {1, 3}]
+    workers[0].dead = True                          # silent death: noticed when asked
+    out = prop.propose(seqs, [1] * 4)
+    assert out.tokens == [[], [7], [], [7]]         # its sequences: no draft this round
+    assert [s.spec_state.detached for s in seqs] == [True, False, True, False]
+    out = prop.propose(seqs, [1] * 4)               # ... and handed to worker 1 the next
+    assert out.tokens == [[7]] * 4 and workers[1].held == {0, 1, 2, 3}
+    prop.release(seqs[3])
+    assert workers[1].held == {0, 1, 2} and prop.assign.loads == [0, 3]
+    workers[1].dead = True
+    with pytest.raises(ProposerFailed, match="the last one"):
+        prop.propose(seqs[:3], [1] * 3)
+
+
 # ---------------------------------------------------------------- in-process workers
 
 

@@ -106,13 +106,10 @@ class WorkerProposer:
         st.accepted, st.bonus, st.num_draft, st.detached = 0, bonus, 0, False
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], verify_s: float = 0.0) -> Proposal:
-        for s in seqs:
-            if s.spec_state.detached or self.assign.get(s.seq_id) is None:   # hand it (back) over
-                self._attach(s, s.all_token_ids[:-1])
-                self._attached(s, s.all_token_ids[-1])
+        self._hand_over(seqs)
         groups: dict[int, list[int]] = {}
         for b, s in enumerate(seqs):
-            groups.setdefault(self._home(s), []).append(b)
+            groups.setdefault(self.assign.get(s.seq_id), []).append(b)
         posted = {}
         for w, rows in groups.items():          # every worker is asked first ...
             reqs = [m.Request(seqs[b].seq_id, seqs[b].spec_state.accepted, seqs[b].spec_state.bonus, num_draft[b])
@@ -158,6 +155,18 @@ class WorkerProposer:
             probs.append(q)
             sources.append(int(r.source))
         return Proposal(tokens, probs, sources, spans, sum(self._busy), sum(self._chains))
+
+    def _hand_over(self, seqs: list[Sequence]) -> None:
+        """Make every sequence held by a live worker: (re-)add those without one (new worker after a
+        failure, or dropped by skip/NO_ROOM). An add that fails moves that worker's sequences, maybe
+        some handed over a moment ago, so repeat until all are held (each pass kills a worker or ends)."""
+        while True:
+            todo = [s for s in seqs if s.spec_state.detached or self.assign.get(s.seq_id) is None]
+            if not todo:
+                return
+            for s in todo:
+                self._attach(s, s.all_token_ids[:-1])
+                self._attached(s, s.all_token_ids[-1])
 
     def behind(self, seqs: list[Sequence]) -> list[int]:
         return [0] * len(seqs)          # the worker keeps up by itself (or is handed the sequence back)
