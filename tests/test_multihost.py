@@ -2,8 +2,12 @@
 (10.77.0.1/24 for the engine, 10.77.0.2/24 for the workers), no loopback between them, real TCP.
 The workers are started exactly as on a second host (`python -m ssd.cli draft-worker --connect
 ENGINE_IP:PORT`), the engine in the other namespace with draft_host. Checks: greedy output equals
-AR with two remote workers, also when one of them is killed mid-run; a worker that never joins is a clear error within bounded time, and
-the worker that did join is shut down.
+AR with two remote workers, also when one of them is killed mid-run; a worker that never joins is
+a clear error within bounded time, and the worker that did join is shut down.
+
+Why it needs the product's gloo address binding (transport.py): in a namespace the hostname still
+resolves to 127.0.0.1, so gloo's default device would advertise an address the peer cannot reach
+(without the binding the first test fails with "Connection refused, remote=[127.0.0.1]").
 
 Needs root and `ip netns`; skipped otherwise. The namespaces are always deleted afterwards.
 """

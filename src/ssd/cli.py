@@ -46,8 +46,9 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--draft-workers", type=int, default=None,
                    help="ssd: draft workers sharing the batch (data-parallel drafts; default: one per --draft-host "
                    "address, else 1). Local workers take one core each, the last ones; the target the rest")
-    g.add_argument("--draft-cores", default=None, help="ssd: CPU cores of the draft worker, e.g. 1 (default: last core); "
-                   "one list per worker separated by '/', e.g. 2,3/4,5")
+    g.add_argument("--draft-cores", default=None,
+                   help="ssd: CPU cores of the draft worker, e.g. 1 (default: last core); one list per worker "
+                   "separated by '/', e.g. 2,3/4,5")
     g.add_argument("--draft-threads", type=int, default=None, help="ssd: threads of the draft worker (default 1)")
     g.add_argument("--draft-host", default=None, help="ssd: HOST:PORT (this engine's address as the worker's host "
                    "reaches it) to wait for `ssd draft-worker --connect` instead of starting a local worker; "

@@ -1,5 +1,6 @@
 """The engine's side of the link to a draft worker: start it (or wait for one started by hand on
-another host), hand it its whole configuration, then send typed messages (docs/ARCHITECTURE.md 4). One client per worker."""
+another host), hand it its whole configuration, then send typed messages (docs/ARCHITECTURE.md 4).
+One client per worker."""
 from __future__ import annotations
 
 import logging
