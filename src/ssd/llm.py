@@ -96,6 +96,7 @@ class LLM:
 
         from ssd.models.loader import load_tokenizer
         from ssd.models.registry import gguf_source, resolve_model
+        from ssd.speculation.worker.client import start_clients
         from ssd.speculation.worker.messages import WorkerConfig
         from ssd.speculation.worker.placement import local_cores, per_worker_cores, split_hosts
 
@@ -252,28 +253,3 @@ class LLM:
                              list(seq.output_token_ids), seq.finish_reason, RequestMetrics.of(seq), seq.spec,
                              None if seq.output_logprobs is None else list(seq.output_logprobs))
 
-
-def start_clients(wcfg, kwargs: list[dict]):
-    """Start (or wait for) one draft worker per kwargs, all at once; on any failure close the others
-    and raise the first error."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ssd.speculation.worker.client import DraftClient
-
-    if len(kwargs) == 1:
-        return [DraftClient(wcfg, **kwargs[0])]
-    with ThreadPoolExecutor(len(kwargs)) as pool:
-        futures = [pool.submit(DraftClient, wcfg, **kw) for kw in kwargs]
-        results = []
-        for f in futures:
-            try:
-                results.append(f.result())
-            except Exception as e:      # noqa: BLE001 - re-raised below, after the others are closed
-                results.append(e)
-    errors = [r for r in results if isinstance(r, Exception)]
-    if errors:
-        for r in results:
-            if not isinstance(r, Exception):
-                r.close()
-        raise errors[0]
-    return results

@@ -133,6 +133,30 @@ class DraftClient:
             self.chan.close()
 
 
+def start_clients(wcfg, kwargs: list[dict]):
+    """Start (or wait for) one draft worker per kwargs, all at once; on any failure close the others
+    and raise the first error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(kwargs) == 1:
+        return [DraftClient(wcfg, **kwargs[0])]
+    with ThreadPoolExecutor(len(kwargs)) as pool:
+        futures = [pool.submit(DraftClient, wcfg, **kw) for kw in kwargs]
+        results = []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except Exception as e:      # noqa: BLE001 - re-raised below, after the others are closed
+                results.append(e)
+    errors = [r for r in results if isinstance(r, Exception)]
+    if errors:
+        for r in results:
+            if not isinstance(r, Exception):
+                r.close()
+        raise errors[0]
+    return results
+
+
 def _split(hostport: str) -> tuple[str, int]:
     host, port = hostport.rsplit(":", 1)
     return host, int(port)
