@@ -252,4 +252,3 @@ class LLM:
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.detok.text,
                              list(seq.output_token_ids), seq.finish_reason, RequestMetrics.of(seq), seq.spec,
                              None if seq.output_logprobs is None else list(seq.output_logprobs))
-
