@@ -362,3 +362,20 @@ def test_channel_post_does_not_wait_for_the_peer():
     finally:
         eng.close()
         peer["c"].close()
+
+
+def test_prometheus_worker_gauges_and_counters():
+    from ssd.server.metrics import ServerMetrics
+    from ssd.speculation.stats import SpecSnapshot
+
+    sm = ServerMetrics("ssd", "m", 3)
+    get = sm.registry.get_sample_value
+    sm.ssd_state(SpecSnapshot(draft_workers=2), True)
+    assert get("ssd_draft_workers_up") == 2
+    sm.ssd_state(SpecSnapshot(draft_workers=2, worker_failures=1, seqs_moved=3), True)
+    sm.ssd_state(SpecSnapshot(draft_workers=2), True)         # a delta with nothing new
+    assert get("ssd_draft_workers_up") == 1 and get("ssd_draft_worker_failures_total") == 1
+    assert get("ssd_spec_seqs_moved_total", {"to": "worker"}) == 3
+    sm.ssd_state(SpecSnapshot(draft_workers=2, worker_failures=1, seqs_to_local=2), False)
+    assert get("ssd_draft_workers_up") == 0 and get("ssd_draft_worker_failures_total") == 2
+    assert get("ssd_spec_seqs_moved_total", {"to": "local"}) == 2
