@@ -258,7 +258,7 @@ def test_two_worker_processes_one_killed_mid_run(tiny_pair, ar_ref):
     bounded time, and only the dead worker's sequences moved."""
     target, draft = tiny_pair
     llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
-              worker_timeout_s=20, num_draft_workers=2, draft_cores=[[0], [1]], threads=1)
+              worker_timeout_s=60, num_draft_workers=2, draft_cores=[[0], [1]], threads=1)   # (start-up on a busy box)
     try:
         pids = [c.pid for c in llm._clients]
         assert len(set(pids)) == 2
@@ -285,15 +285,16 @@ def test_two_worker_processes_one_killed_mid_run(tiny_pair, ar_ref):
     finally:
         t0 = time.monotonic()
         llm.close()
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 20
 
 
 def test_a_silent_worker_process_times_out_and_only_its_sequences_move(tiny_pair, ar_ref):
     """SIGSTOP (alive, silent): the engine's wait for that worker ends after worker_timeout_s, the
-    worker is killed, its sequences finish on the other worker, identical to AR."""
+    worker is killed, its sequences finish on the other worker, identical to AR. (worker_timeout_s also
+    bounds start-up, hence 10 s rather than less on a shared machine.)"""
     target, draft = tiny_pair
     llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
-              worker_timeout_s=4, num_draft_workers=2, draft_cores=[[0], [1]], threads=1)
+              worker_timeout_s=10, num_draft_workers=2, draft_cores=[[0], [1]], threads=1)
     pid = llm._clients[1].pid
     try:
         eng = llm.engine
@@ -305,7 +306,7 @@ def test_a_silent_worker_process_times_out_and_only_its_sequences_move(tiny_pair
         while eng.has_unfinished():
             for out in eng.step():
                 got[out.seq.request_id] += out.new_token_ids
-            assert time.monotonic() - t0 < 40, "requests did not finish after a worker went silent"
+            assert time.monotonic() - t0 < 60, "requests did not finish after a worker went silent"
         assert list(got.values()) == ar_ref[:4]
         m = eng.spec_metrics()
         assert eng.degraded_from is None and m.worker_failures == 1 and m.seqs_moved == 2
