@@ -134,7 +134,7 @@ def test_two_remote_workers_across_namespaces_equal_ar(netns, tiny_pair, tmp_pat
     port = 29611 + 2 * kill
     workers = [_worker(wns, port), _worker(wns, port + 1)]
     t0 = time.monotonic()
-    engine = _engine(ens, tmp_path, tiny_pair, [f"{ENGINE_IP}:{port}", f"{ENGINE_IP}:{port + 1}"], 30,
+    engine = _engine(ens, tmp_path, tiny_pair, [f"{ENGINE_IP}:{port}", f"{ENGINE_IP}:{port + 1}"], 60,
                      kill_after=3 if kill else 0)
     try:
         out, err = engine.communicate(timeout=240)
@@ -142,7 +142,7 @@ def test_two_remote_workers_across_namespaces_equal_ar(netns, tiny_pair, tmp_pat
         res = json.loads(out.strip().splitlines()[-1])
         assert res["tokens"] == ar_ref
         assert res["workers"] == 2 and res["degraded"] is None and res["rounds"] > 0
-        assert time.monotonic() - t0 < 120
+        assert time.monotonic() - t0 < 180
         if kill:
             assert res["failures"] == 1 and res["moved"] > 0, res
             assert workers[0].wait(10) == -9 and workers[1].wait(30) == 0
@@ -157,12 +157,12 @@ def test_a_worker_that_never_joins_is_a_clear_error_in_bounded_time(netns, tiny_
     ens, wns = netns
     joined = _worker(wns, 29621)                 # the second address never gets a worker
     t0 = time.monotonic()
-    engine = _engine(ens, tmp_path, tiny_pair, [f"{ENGINE_IP}:29621", f"{ENGINE_IP}:29622"], 6)
+    engine = _engine(ens, tmp_path, tiny_pair, [f"{ENGINE_IP}:29621", f"{ENGINE_IP}:29622"], 15)
     try:
         out, err = engine.communicate(timeout=120)
         assert engine.returncode != 0
-        assert f"no draft worker joined {ENGINE_IP}:29622 within 6s" in err, err[-3000:]
-        assert time.monotonic() - t0 < 60
+        assert f"no draft worker joined {ENGINE_IP}:29622 within 15s" in err, err[-3000:]
+        assert time.monotonic() - t0 < 90
         assert joined.wait(30) == 0                  # the worker that joined was shut down, not left waiting
     finally:
         _stop(engine, joined)
