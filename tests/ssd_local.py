@@ -22,15 +22,38 @@ class LocalDraftClient:
         self.tamper = tamper
         self.stop_after_steps = stop_after_steps   # simulate the engine asking mid pre-draft
         self.pid = None
+        self.fail_at_round = None   # simulate a worker that dies while answering round n (1-based)
+        self.rounds = 0
+        self.dead = False
 
     def add(self, msg: m.Add) -> None:
+        if self.dead:
+            raise ConnectionError("stand-in worker is dead")
         self.worker.add(msg)
 
     def free(self, ids) -> None:
+        if self.dead:
+            raise ConnectionError("stand-in worker is dead")
         for i in ids:
             self.worker.free(i)
 
     def speculate(self, requests, verify_s=0.0) -> m.Speculation:
+        self.post_speculate(requests, verify_s).wait()
+        return self.recv_speculation()
+
+    def post_speculate(self, requests, verify_s=0.0):
+        if self.dead:
+            raise ConnectionError("stand-in worker is dead")
+        self._asked = (list(requests), verify_s)
+        return _Sent()
+
+    def recv_speculation(self) -> m.Speculation:
+        requests, verify_s = self._asked
+        self.rounds += 1
+        if self.fail_at_round is not None and self.rounds >= self.fail_at_round:
+            self.dead = True
+        if self.dead:
+            raise ConnectionError("stand-in worker died")
         self.worker.observe_verify(verify_s)
         if self.predraft:
             polls = iter(range(10**9))
@@ -42,28 +65,34 @@ class LocalDraftClient:
         return m.Speculation(replies, self.worker.chains_drafted, self.worker.busy_s, self.worker.take_spans())
 
     def abandon(self) -> None:
-        pass
+        self.dead = True
 
     def close(self) -> None:
         pass
 
 
-def local_ssd(monkeypatch, target, draft, k=3, llm_kw=None, **kw):
-    """LLM(mode='ssd') whose draft worker runs in-process."""
+class _Sent:
+    def wait(self) -> None:
+        pass
+
+
+def local_ssd(monkeypatch, target, draft, k=3, llm_kw=None, workers: int = 1, **kw):
+    """LLM(mode='ssd') whose draft worker(s) run in-process. Returns (llm, client), or (llm, [clients])
+    with workers > 1 (data-parallel drafts)."""
     from ssd import LLM
 
-    client = {}
+    clients = []
 
     def start(self, runner):
         kw.setdefault("num_blocks", min(runner.block_manager.num_blocks, 512))   # tiny models: plenty, and cheap
         kw.setdefault("max_num_seqs", self.config.max_num_seqs)
         kw.setdefault("target_vocab", self.target.config.vocab_size)
-        client["c"] = LocalDraftClient(draft, k, **kw)
-        return client["c"]
+        clients.extend(LocalDraftClient(draft, k, **kw) for _ in range(workers))
+        return clients[0] if workers == 1 else list(clients)
 
     monkeypatch.setattr(LLM, "_start_worker", start)
     llm = LLM(str(target), draft=str(draft), mode="ssd", k=k, dtype="float32", progress=False, **(llm_kw or {}))
-    return llm, client["c"]
+    return llm, clients[0] if workers == 1 else clients
 
 
 def random_regime(monkeypatch) -> None:

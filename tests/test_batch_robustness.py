@@ -68,14 +68,20 @@ def ar_alone(tiny_pair):
 
 
 def build(mode, tiny_pair, draft, monkeypatch, predraft=True, **llm_kw):
-    """(llm, in-process SSD client or None) for mode ar | sd | ssd."""
+    """(llm, in-process SSD client or None) for mode ar | sd | ssd | ssd2 (two SSD draft workers: the
+    client is then the list of both)."""
     target = tiny_pair[0]
-    if mode == "ssd":
+    if mode in ("ssd", "ssd2"):
         return local_ssd(monkeypatch, target, draft, k=K, llm_kw=llm_kw, predraft=predraft, backup="neural",
-                         fanout_budget=3)
+                         fanout_budget=3, workers=2 if mode == "ssd2" else 1)
     if mode in ("sd", "auto"):
         return LLM(str(target), draft=str(draft), mode=mode, k=K, dtype="float32", progress=False, **llm_kw), None
     return LLM(str(target), dtype="float32", progress=False, **llm_kw), None
+
+
+def stand_ins(client) -> list:
+    """The in-process SSD worker stand-ins of build()'s second result."""
+    return [] if client is None else client if isinstance(client, list) else [client]
 
 
 def run(llm, reqs):
@@ -177,7 +183,7 @@ def test_ssd_just_in_time_equals_cached_across_arrival_orders_and_mates(monkeypa
 PLAN_PROMPTS = ["hello world", "abc", "def f(x):\n    return", "z" * 37, "The quick brown fox", "x y z w"]
 PLAN_STEPS = [0, 0, 2, 3, 6, 14]
 PLAN_LENS = [40, 4, 22, 8, 30, 12]
-CONFIGS = [("ar", None), ("sd", None), ("sd", 2), ("ssd", None), ("ssd", 2), ("auto", None)]
+CONFIGS = [("ar", None), ("sd", None), ("sd", 2), ("ssd", None), ("ssd", 2), ("ssd2", None), ("auto", None)]
 CONFIG_IDS = [f"{m}-specmax{s}" for m, s in CONFIGS]
 
 
@@ -192,7 +198,7 @@ def check_speculation(llm, mode, spec_max_batch, seqs):
         m = llm.engine.spec_metrics()
         assert sum(m.rows_by_num_draft) > 0
         return
-    if mode == "ssd":
+    if mode in ("ssd", "ssd2"):
         assert llm.engine.spec_metrics().hits > 0
     drafted = {r: (s.spec.proposed_by_pos or [0])[0] for r, s in seqs.items()}   # rounds that drafted
     one_token = {r: s.spec.rounds - drafted[r] for r, s in seqs.items()}      # one-token rounds
@@ -215,8 +221,8 @@ def test_growing_and_shrinking_batch_greedy_equals_ar_one_at_a_time(monkeypatch,
     assert llm.engine.degraded_from is None
     bm = llm.engine.target.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    if client is not None:
-        assert not client.worker.seqs
+    for c in stand_ins(client):
+        assert not c.worker.seqs
 
 
 @pytest.mark.parametrize("mode,spec_max_batch", [c for c in CONFIGS if c[1] is None and c[0] != "auto"],
@@ -246,8 +252,9 @@ def test_growing_and_shrinking_batch_seeded_equals_alone(monkeypatch, tiny_pair,
 SMALL_KV = dict(kv_cache_gb=96 * 512 / 2**30, block_size=4)
 
 
-@pytest.mark.parametrize("mode,spec_max_batch", [("sd", None), ("sd", 2), ("ssd", None), ("ssd", 2), ("auto", None)],
-                         ids=["sd", "sd-specmax2", "ssd", "ssd-specmax2", "auto"])
+@pytest.mark.parametrize("mode,spec_max_batch", [("sd", None), ("sd", 2), ("ssd", None), ("ssd", 2), ("ssd2", None),
+                                                 ("auto", None)],
+                         ids=["sd", "sd-specmax2", "ssd", "ssd-specmax2", "ssd2", "auto"])
 def test_preemption_greedy_equals_ar_and_frees_everything(monkeypatch, tiny_pair, near_draft, ar_alone, mode,
                                                           spec_max_batch):
     kw = SMALL_KV | ({"spec_max_batch": spec_max_batch} if spec_max_batch else {})
@@ -261,13 +268,13 @@ def test_preemption_greedy_equals_ar_and_frees_everything(monkeypatch, tiny_pair
     assert llm.engine.scheduler.num_preemptions > 0                   # preemption really happened
     for i, (p, n) in enumerate(zip(prompts, lens)):
         assert got[f"r{i}"] == ar_alone(p, greedy(n)), f"{mode}: request r{i}"
-    assert llm.engine.degraded_from is None and llm.engine.mode == mode
+    assert llm.engine.degraded_from is None and llm.engine.mode == mode.rstrip("2")
     managers = [tbm] + ([llm.engine.draft.block_manager] if mode in ("sd", "auto") else [])
     for bm in managers:
         bm.check_invariants()
         assert bm.num_free_blocks == bm.num_blocks
-    if client is not None:
-        w = client.worker
+    for c in stand_ins(client):
+        w = c.worker
         assert not w.seqs                                             # the worker holds no sequence
         assert w.bm.num_free_blocks == w.bm.num_blocks - len(w.bm.block_table(-1))   # only the chain pool
         assert w.cache.free_regions == w.cache.num_regions and len(w.cache) == 0     # no region leaked

@@ -149,6 +149,9 @@ def test_placement_sets_ssd_target_threads(tiny_pair, tmp_path):
     equal = _cfg(tiny_pair, tmp_path, modes=["ar", "sd", "ssd"], threads=3, placement="equal",
                  ssd_options={"draft_threads": 2})
     assert [mode_threads(equal, m) for m in ("ar", "sd", "ssd")] == [3, 3, 1]
+    two = _cfg(tiny_pair, tmp_path, modes=["ar", "ssd"], threads=4, placement="equal",
+               ssd_options={"num_draft_workers": 2})
+    assert [mode_threads(two, m) for m in ("ar", "ssd")] == [4, 2]          # one thread per draft worker
 
 
 def test_cli_parser(capsys):

@@ -18,11 +18,12 @@ p-value on every run, and every negative control fails the same way on every run
 - SSD, K = 2, Saguaro C = 0.3, fixed fan-out budget, the draft worker in-process and pre-drafting
   fully: a large share of rounds is served from the speculation cache, inside the first M tokens
   (asserted). The negative control ships the plain warped q instead of Saguaro's q' on cache hits
-  only, the pitfall of saguaro.py.
+  only, the pitfall of saguaro.py. The same with two draft workers (data-parallel drafts), the first
+  dying mid-batch so that its sequences move to the other: real test and negative control.
 
 Observed (deterministic; each test prints its p-value and counts, shown with -s):
 SD real p = 0.65; SD controls p = 9e-76 (third token against the wrong q), 1e-18 (full-accept bonus);
-SSD real p = 0.40; SSD control p = 6e-25.
+SSD real p = 0.40; SSD control p = 6e-25; two workers, one failing: real p = 0.65, control p = 7e-20.
 
 Runtime: the tiny models are fast, but on a shared 2-core machine two OpenMP threads per tiny op are
 10-40x slower than one (thread hand-off under contention), so the engines here run with threads=1;
@@ -258,12 +259,17 @@ def _plain_q(worker, reply) -> torch.Tensor:
     return logits_to_probs(d.log(), torch.ones(n), torch.full((n,), TOP_K), torch.full((n,), TOP_P))
 
 
-def _ssd(monkeypatch, tiny_pair, close_draft, law, ship_plain_q_on_hits: bool):
-    """Run SSD (in-process worker, full pre-drafting, neural backup, fixed budget: deterministic)
+def _ssd(monkeypatch, tiny_pair, close_draft, law, ship_plain_q_on_hits: bool, workers: int = 1,
+         fail_at_round: int | None = None):
+    """Run SSD (in-process worker(s), full pre-drafting, neural backup, fixed budget: deterministic)
     with max_tokens = M + K, so every round that starts inside the window asks for K tokens and can
-    be served from the cache. Returns (p-value, summary, hit counts)."""
-    llm, client = local_ssd(monkeypatch, tiny_pair[0], close_draft, k=SSD_K, llm_kw=dict(max_num_seqs=256, threads=1),
-                            saguaro_c=SSD_C, fanout_budget=SSD_BUDGET, backup="neural")   # chain pool: 256 x 8
+    be served from the cache. With workers > 1 the first one dies while answering round
+    `fail_at_round` (its sequences move to the others). Returns (p-value, summary, hit counts)."""
+    llm, clients = local_ssd(monkeypatch, tiny_pair[0], close_draft, k=SSD_K, llm_kw=dict(max_num_seqs=256, threads=1),
+                             saguaro_c=SSD_C, fanout_budget=SSD_BUDGET, backup="neural",   # chain pool: 256 x 8
+                             workers=workers)
+    clients = clients if workers > 1 else [clients]
+    clients[0].fail_at_round = fail_at_round
     prompt_len = len(llm.encode(PROMPT))
     seen = Counter()
     hit_seqs = set()
@@ -281,13 +287,16 @@ def _ssd(monkeypatch, tiny_pair, close_draft, law, ship_plain_q_on_hits: bool):
             reply.probs = q
         return reply
 
-    client.tamper = tamper
+    for client in clients:
+        client.tamper = tamper
     before = llm.engine.spec_metrics()
     p, info = joint_pvalue(law, first_m(llm, SSD_N, M + SSD_K))
     m = llm.engine.spec_metrics().delta(before)
     seen["hits"], seen["misses"], seen["seqs_hit_in_window"] = m.hits, m.misses, len(hit_seqs)
     seen["partial_or_fast"] = m.partial_hits + m.fast_backups
-    assert llm.engine.degraded_from is None          # the worker never failed (no silent fall-back to AR)
+    seen["moved"] = m.seqs_moved
+    assert llm.engine.degraded_from is None          # no silent fall-back to AR
+    assert m.worker_failures == (fail_at_round is not None)
     return p, info, seen
 
 
@@ -316,6 +325,25 @@ def test_ssd_shipping_plain_q_on_cache_hits_is_caught(monkeypatch, tiny_pair, cl
     print(f"SSD control plain q on hits: {info}; {dict(seen)}")
     _check_ssd_reach(seen)
     assert p < P_FAIL, f"{info}; {dict(seen)}"
+
+
+@pytest.mark.parametrize("ship_plain_q_on_hits", [False, True])
+def test_ssd_two_workers_one_failing_keep_the_joint_law(monkeypatch, tiny_pair, close_draft, target_law,
+                                                         ship_plain_q_on_hits):
+    """Data-parallel drafts: two workers share each batch of 256 sequences; the first dies while
+    answering its 6th round (mid-batch), and its sequences move, with their whole context, to the
+    other, which catches up and drafts them from then on. The joint law is still the target's; the
+    negative control (plain q on cache hits) still fails, so the test reaches the cache through both
+    workers."""
+    p, info, seen = _ssd(monkeypatch, tiny_pair, close_draft, target_law, ship_plain_q_on_hits, workers=2,
+                         fail_at_round=6)
+    print(f"SSD 2 workers, one failing, plain q on hits={ship_plain_q_on_hits}: {info}; {dict(seen)}")
+    _check_ssd_reach(seen)
+    assert seen["moved"] > 50, seen                   # a real share of the sequences moved mid-flight
+    if ship_plain_q_on_hits:
+        assert p < P_FAIL, f"{info}; {dict(seen)}"
+    else:
+        assert p > P_PASS, f"{info}; {dict(seen)}"
 
 
 # ---------------------------------------------------------------- auto (the chooser switches every round)

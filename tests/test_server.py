@@ -389,6 +389,7 @@ def test_ssd_server_greedy_equals_generate_and_reports_the_cache(tiny_pair, ref)
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
             name = client.models.list().data[0].id
             assert metric(srv, "ssd_draft_worker_up") == 1
+            assert metric(srv, "ssd_draft_worker_failures_total") == 0
             for prompt in PROMPTS[:3]:
                 want = ref.generate(prompt, greedy(16))[0].text      # greedy SSD == AR (exactness)
                 r = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0,
@@ -406,6 +407,7 @@ def test_ssd_server_greedy_equals_generate_and_reports_the_cache(tiny_pair, ref)
             wait_idle(srv)
             text = httpx.get(srv.url + "/metrics").text
             assert "ssd_draft_worker_up 1.0" in text and 'ssd_engine_info{k="3",mode="ssd"' in text
+            assert metric(srv, "ssd_draft_workers_up") == 1
             stats = llm.engine.spec_metrics()
             k_labels = range(len(stats.hits_by_k))
             assert sum(metric(srv, "ssd_spec_cache_hits_total", k=str(j)) for j in k_labels) == stats.hits
@@ -421,7 +423,10 @@ def test_ssd_server_greedy_equals_generate_and_reports_the_cache(tiny_pair, ref)
             assert ext["mode"] == "ar" and ext["degraded_from"] == "ssd"
             wait_idle(srv)
             assert llm.engine.degraded_from == "ssd"
-            assert metric(srv, "ssd_draft_worker_up") == 0
+            assert metric(srv, "ssd_draft_worker_up") == 0 and metric(srv, "ssd_draft_workers_up") == 0
+            assert metric(srv, "ssd_draft_worker_failures_total") == 1
+            assert metric(srv, "ssd_spec_seqs_moved_total", to="local") == 1     # the request in flight
+            assert metric(srv, "ssd_spec_seqs_moved_total", to="worker") == 0
     finally:
         llm.close()
 

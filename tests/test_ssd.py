@@ -48,8 +48,8 @@ def test_ssd_spec_max_batch_runs_one_token_rounds_then_catches_up(monkeypatch, t
     target, _ = tiny_pair
     llm, client = local_ssd(monkeypatch, target, target, llm_kw=dict(spec_max_batch=2))
     asked = []
-    speculate = client.speculate
-    monkeypatch.setattr(client, "speculate", lambda reqs, *a: asked.append(len(reqs)) or speculate(reqs, *a))
+    send = client.post_speculate
+    monkeypatch.setattr(client, "post_speculate", lambda reqs, *a: asked.append(len(reqs)) or send(reqs, *a))
     outs = llm.generate(PROMPTS, GREEDY)                       # 5 sequences > 2: one token per round
     assert [o.token_ids for o in outs] == ar_ref
     assert all(o.metrics.target_forwards == GREEDY.max_tokens - 1 for o in outs)

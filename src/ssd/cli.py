@@ -43,10 +43,16 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    "stays exact: the target verifies every token")
     g.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output in tokens")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory of the target in GiB")
-    g.add_argument("--draft-cores", default=None, help="ssd: CPU cores of the draft worker, e.g. 1 (default: last core)")
+    g.add_argument("--draft-workers", type=int, default=None,
+                   help="ssd: draft workers sharing the batch (data-parallel drafts; default: one per --draft-host "
+                   "address, else 1). Local workers take one core each, the last ones; the target the rest")
+    g.add_argument("--draft-cores", default=None,
+                   help="ssd: CPU cores of the draft worker, e.g. 1 (default: last core); one list per worker "
+                   "separated by '/', e.g. 2,3/4,5")
     g.add_argument("--draft-threads", type=int, default=None, help="ssd: threads of the draft worker (default 1)")
-    g.add_argument("--draft-host", default=None, help="ssd: HOST:PORT to wait for `ssd draft-worker --connect` "
-                   "instead of starting a local worker")
+    g.add_argument("--draft-host", default=None, help="ssd: HOST:PORT (this engine's address as the worker's host "
+                   "reaches it) to wait for `ssd draft-worker --connect` instead of starting a local worker; "
+                   "comma-separated, one per worker, for several")
     g.add_argument("--fanout-budget", type=int, default=None,
                    help="ssd: chains pre-drafted per sequence per round (default: sized online to fit in a verify)")
     g.add_argument("--saguaro-c", type=float, default=1.0, help="ssd: Saguaro sampling scale C in [0, 1]")
@@ -68,6 +74,18 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
+def parse_cores(text: str | None):
+    """'1,2' -> [1, 2] (one worker); '2,3/4,5' -> [[2, 3], [4, 5]] (one list per worker)."""
+    if not text:
+        return None
+    try:
+        lists = [[int(c) for c in part.split(",") if c.strip()] for part in text.split("/")]
+    except ValueError:
+        raise SystemExit(f"--draft-cores {text!r}: give core numbers like 2,3 (one worker) or 2,3/4,5 (one list "
+                         "per worker)") from None
+    return lists[0] if len(lists) == 1 else lists
+
+
 def _llm(args, **extra):
     from ssd import LLM
 
@@ -75,7 +93,7 @@ def _llm(args, **extra):
                draft_device=args.draft_device, threads=args.threads, prefill_threads=args.prefill_threads,
                dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
                kv_cache_gb=args.kv_cache_gb, spec_max_batch=args.spec_max_batch,
-               draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None,
+               draft_cores=parse_cores(args.draft_cores), num_draft_workers=args.draft_workers,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
                saguaro_c=args.saguaro_c, backup=args.backup, auto_ssd=args.auto_ssd, **extra)
 
@@ -240,6 +258,8 @@ def chat_repl(llm, params, stdin=None, stdout=None, stderr=None, system: str | N
             mode = llm.config.mode
             if getattr(llm.engine, "degraded_from", None):
                 mode = f"{llm.engine.degraded_from} -> {llm.engine.mode}: draft worker failed"
+            elif now.worker_failures:
+                mode += f": {now.worker_failures} of {now.draft_workers} draft workers failed"
             if final is not None:
                 auto = format_decisions(delta) if llm.config.mode == "auto" else ""
                 err.write(f"[{mode}] {format_metrics(final.metrics)} | cache hit rate "

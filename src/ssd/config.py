@@ -32,8 +32,12 @@ class EngineConfig:
     trace: bool = False                  # record target/draft spans (LLM.write_trace, CLI --trace)
     # SSD: the draft worker process
     draft_threads: int | None = None     # threads of the draft worker (default 1 on CPU)
-    draft_cores: list[int] | None = None # CPU cores to pin the worker to (default: the last core)
-    draft_host: str | None = None        # "HOST:PORT": wait for `ssd draft-worker --connect` there instead of spawning
+    num_draft_workers: int | None = None # data-parallel drafts: workers sharing the batch (default: one per
+                                         # draft_host address, else 1); see speculation/worker/placement.py
+    draft_cores: list[int] | list[list[int]] | None = None  # CPU cores to pin the worker to (default: the last
+                                         # core; M workers: the last M cores); one list per worker when M > 1
+    draft_host: str | list[str] | None = None  # "HOST:PORT" (or one per worker: a list, or comma-separated): wait
+                                         # for `ssd draft-worker --connect` there instead of spawning
     fanout_budget: int | None = None     # chains pre-drafted per sequence per round (None: sized online)
     saguaro_c: float = 1.0               # Saguaro sampling: weight of the cached top-F tokens in q' (1 = plain q)
     backup: str = "auto"                 # miss backup: auto (by batch size, measured) | neural | fast
@@ -69,6 +73,7 @@ class EngineConfig:
         if self.mode == "ssd" and self.draft_host is not None and self.draft_device is not None:
             raise ValueError("draft_device applies to a local SSD worker; a remote worker (draft_host) picks its "
                              "device itself (`ssd draft-worker --device ...`)")
+        self._check_draft_workers()
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.spec_max_batch is not None and (self.spec_max_batch < 1 or self.mode == "ar"):
@@ -78,6 +83,25 @@ class EngineConfig:
             raise ValueError(f"auto_ssd lets mode 'auto' choose SSD rounds; it does not apply to mode {self.mode!r}")
         if self.prefill_threads is not None and self.prefill_threads < 1:
             raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")
+
+    def _check_draft_workers(self) -> None:
+        from ssd.speculation.worker.placement import per_worker_cores, split_hosts
+
+        hosts = split_hosts(self.draft_host)
+        if self.num_draft_workers is None:
+            self.num_draft_workers = len(hosts) if hosts else 1
+        n = self.num_draft_workers
+        if n < 1:
+            raise ValueError(f"num_draft_workers must be >= 1, got {n}")
+        workers = self.mode == "ssd" or self.mode == "auto" and self.auto_ssd
+        if n > 1 and not workers:
+            raise ValueError(f"num_draft_workers={n} applies to mode 'ssd' and to 'auto' with auto_ssd (draft "
+                             f"workers), not {self.mode!r}")
+        if hosts is not None and len(hosts) != n:
+            raise ValueError(f"draft_host lists {len(hosts)} address(es) for num_draft_workers={n}: give one HOST:PORT "
+                             "per worker (or leave num_draft_workers unset)")
+        if workers and hosts is None:
+            per_worker_cores(self.draft_cores, n)      # raises on a malformed placement
 
 
 def check_device(name: str, device: str | None) -> None:

@@ -68,25 +68,30 @@ class LLM:
                                 cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
                                 Tracer() if cfg.trace else None, cfg.spec_max_batch, thread_split)
         self.engine.prefill_threads = cfg.prefill_threads or (thread_split[1] if thread_split else None)
-        self._client = draft_client
+        self._clients = [] if draft_client is None else list(draft_client) if isinstance(draft_client, list) \
+            else [draft_client]
 
     @staticmethod
     def _ssd_cpu_split(cfg: EngineConfig) -> None:
         """SSD on CPU with no thread count given: the target decodes on the cores the local draft
-        worker does not use (sharing the worker's core slows both), and prefills on all of them
-        (the worker is mostly idle then)."""
+        workers do not use (sharing a worker's core slows both), and prefills on all of them
+        (the workers are mostly idle then). Placement: speculation/worker/placement.py."""
         import os
 
-        if cfg.mode != "ssd" or cfg.threads is not None or cfg.draft_host is not None or cfg.device != "cpu" \
-                or (cfg.draft_device or "cpu") != "cpu":
+        from ssd.speculation.worker.placement import local_cores
+
+        if cfg.mode != "ssd" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
             return
-        usable = len(os.sched_getaffinity(0))
-        worker = len(cfg.draft_cores) if cfg.draft_cores else 1
-        if usable > worker:
-            cfg.threads = usable - worker
-            cfg.prefill_threads = cfg.prefill_threads or usable
-            log.info("ssd: target decodes on %d thread(s), prefills on %d; the draft worker has %d core(s)",
-                     cfg.threads, cfg.prefill_threads, worker)
+        usable = sorted(os.sched_getaffinity(0))
+        placement = local_cores(usable, cfg.num_draft_workers, cfg.draft_cores)    # a clear error, before loading
+        if cfg.threads is not None or cfg.device != "cpu":
+            return
+        worker = sum(len(c) if c else 1 for c in placement)
+        if len(usable) > worker:
+            cfg.threads = len(usable) - worker
+            cfg.prefill_threads = cfg.prefill_threads or len(usable)
+            log.info("ssd: target decodes on %d thread(s), prefills on %d; %d draft worker(s) on %d core(s)",
+                     cfg.threads, cfg.prefill_threads, len(placement), worker)
 
     @staticmethod
     def _auto_ssd_threads(cfg: EngineConfig) -> tuple[int, int] | None:
@@ -94,48 +99,62 @@ class LLM:
         does not use) and in the other rounds (all of them: the idle worker's cores are taken back)."""
         import os
 
+        from ssd.speculation.worker.placement import local_cores
+
         if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
             return None
+        placement = local_cores(sorted(os.sched_getaffinity(0)), cfg.num_draft_workers, cfg.draft_cores)
         usable = cfg.threads or len(os.sched_getaffinity(0))
-        worker = len(cfg.draft_cores) if cfg.draft_cores else (cfg.draft_threads or 1)
+        worker = sum(len(c) if c else 1 for c in placement)
         if usable <= worker:
-            log.warning("auto_ssd: %d core(s) for the target and a %d-core worker: they share cores", usable, worker)
+            log.warning("auto_ssd: %d core(s) for the target and %d for draft workers: they share cores", usable,
+                        worker)
             return None
         log.info("auto_ssd: the target runs on %d thread(s) while the worker drafts, on %d otherwise",
                  usable - worker, usable)
         return usable - worker, usable
 
     def _start_worker(self, target_runner: ModelRunner):
-        """Check the draft against the target, then start the SSD draft worker on its own cores."""
+        """Check the draft against the target, then start the SSD draft workers (each on its own cores,
+        or wait for them on other hosts). Returns the list of clients."""
         import json
         import os
 
-        from ssd.speculation.worker.client import DraftClient
-        from ssd.speculation.worker.messages import WorkerConfig
         from ssd.models.loader import load_tokenizer
-        from ssd.models.registry import resolve_model
+        from ssd.models.registry import gguf_source, resolve_model
+        from ssd.speculation.worker.client import start_clients
+        from ssd.speculation.worker.messages import WorkerConfig
+        from ssd.speculation.worker.placement import local_cores, per_worker_cores, split_hosts
 
         cfg = self.config
         path = resolve_model(cfg.draft, progress=cfg.progress)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         check_vocab_compatible(self.tokenizer, load_tokenizer(path), self.target.config.vocab_size, vocab)
         device = cfg.draft_device or "cpu"
-        cores = cfg.draft_cores
-        if cores is None and device == "cpu" and cfg.draft_host is None and (os.cpu_count() or 1) > 1:
-            cores = [sorted(os.sched_getaffinity(0))[-1]]
+        n = cfg.num_draft_workers
+        hosts = split_hosts(cfg.draft_host)
+        if hosts is not None:
+            cores, listen = [None] * n, hosts
+        else:
+            listen = [None] * n
+            cores = local_cores(sorted(os.sched_getaffinity(0)), n, cfg.draft_cores) if device == "cpu" \
+                else per_worker_cores(cfg.draft_cores, n) or [None] * n
         if device != "cpu":
             log.warning("SSD draft worker on %s: this path has not been run on a GPU by our test suite (the "
                         "same code runs on CPU in it); engine and worker still talk over gloo, not NCCL", device)
         # a GGUF draft (built-in name or .gguf file) is handed over as such, so the worker loads its
         # low-bit weights from the GGUF like an in-process draft does
-        from ssd.models.registry import gguf_source
-
         model_arg = str(cfg.draft) if gguf_source(str(cfg.draft), progress=False) is not None else str(path)
         wcfg = WorkerConfig(model_arg, self.draft_dtype, cfg.k, self.target.config.vocab_size,
                             target_runner.block_manager.num_blocks, cfg.block_size, self.max_model_len,
                             cfg.max_num_seqs, cfg.fanout_budget, cfg.saguaro_c, cfg.backup)
-        return DraftClient(wcfg, threads=cfg.draft_threads or 1, cores=cores, device=device,
-                           timeout_s=cfg.worker_timeout_s, listen=cfg.draft_host)
+        return start_clients(wcfg, [dict(threads=cfg.draft_threads or 1, cores=c, device=device,
+                                          timeout_s=cfg.worker_timeout_s, listen=h) for c, h in zip(cores, listen)])
+
+    @property
+    def _client(self):
+        """The first draft worker's client (SSD), else None."""
+        return self._clients[0] if getattr(self, "_clients", None) else None
 
     def write_trace(self, path) -> None:
         """Write the target/draft timeline as Chrome/Perfetto trace JSON (needs LLM(..., trace=True))."""
@@ -144,10 +163,10 @@ class LLM:
         self.engine.tracer.write(path)
 
     def close(self) -> None:
-        """Stop the draft worker (SSD). Also called at interpreter exit."""
-        if getattr(self, "_client", None) is not None:
-            self._client.close()
-            self._client = None
+        """Stop the draft workers (SSD). Also called at interpreter exit."""
+        clients, self._clients = getattr(self, "_clients", []), []
+        for c in clients:
+            c.close()
 
     def __del__(self):
         try:

@@ -93,6 +93,7 @@ def cmd_kernel_bench(args) -> int:
 
 def config_from_args(args):
     from ssd.bench.runner import BenchConfig
+    from ssd.cli import parse_cores
 
     preset = QUICK if args.quick else DEFAULTS
 
@@ -110,8 +111,8 @@ def config_from_args(args):
         out_dir=args.out_dir, stem=args.stem, bandwidth=not args.no_bandwidth, warmup=not args.no_warmup,
         title=args.title or ("ssd bench --quick" if args.quick else None),
         ssd_options=dict(fanout_budget=args.fanout_budget, saguaro_c=args.saguaro_c, backup=args.backup,
-                         draft_threads=args.draft_threads,
-                         draft_cores=[int(c) for c in args.draft_cores.split(",")] if args.draft_cores else None))
+                         draft_threads=args.draft_threads, draft_cores=parse_cores(args.draft_cores),
+                         num_draft_workers=args.draft_workers))
 
 
 def cmd_faithfulness(args) -> int:

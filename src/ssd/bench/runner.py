@@ -133,9 +133,10 @@ class BenchConfig:
         if self.placement not in ("paper", "equal"):
             raise ValueError(f"placement must be 'paper' or 'equal', got {self.placement!r}")
         if self.placement == "equal" and "ssd" in self.modes and self.device == "cpu":
-            if self.threads is None or self.threads - (self.ssd_options.get("draft_threads") or 1) < 1:
-                raise ValueError("placement 'equal' needs --threads larger than the draft worker's threads "
-                                 "(e.g. --threads 2 --draft-threads 1): SSD's target runs on the rest")
+            if self.threads is None or self.threads - draft_worker_threads(self) < 1:
+                raise ValueError("placement 'equal' needs --threads larger than the draft workers' threads "
+                                 "(e.g. --threads 2 --draft-threads 1; times --draft-workers): SSD's target runs on "
+                                 "the rest")
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -224,10 +225,15 @@ def _render(prompts: dict[str, list[BenchPrompt]], tokenizer, limit: int, max_to
 # --------------------------------------------------------------------------- our engine
 
 
+def draft_worker_threads(cfg: BenchConfig) -> int:
+    """Threads of all SSD draft workers together (draft_threads each, default 1)."""
+    return (cfg.ssd_options.get("draft_threads") or 1) * (cfg.ssd_options.get("num_draft_workers") or 1)
+
+
 def mode_threads(cfg: BenchConfig, mode: str) -> int | None:
-    """Target threads of one mode: with placement 'equal' on CPU, SSD's target leaves the worker its cores."""
+    """Target threads of one mode: with placement 'equal' on CPU, SSD's target leaves the workers their cores."""
     if mode == "ssd" and cfg.placement == "equal" and cfg.device == "cpu" and cfg.threads:
-        return cfg.threads - (cfg.ssd_options.get("draft_threads") or 1)
+        return cfg.threads - draft_worker_threads(cfg)
     return cfg.threads
 
 

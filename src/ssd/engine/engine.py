@@ -74,7 +74,7 @@ class LLMEngine:
             else:
                 if draft_client is None:
                     raise ValueError("mode 'ssd' needs a draft worker")
-                proposer = WorkerProposer(draft_client)
+                proposer = WorkerProposer(draft_client, self.spec_counters)   # one client or a list
             # a weak callback: the step must not keep its engine (and its KV caches) alive in a cycle
             self.step_impl = SpeculativeStep(target, proposer, k, self.spec_counters, self.tracer,
                                              _weak_call(self._degrade), Chooser(k) if mode == "auto" else None)
@@ -82,7 +82,7 @@ class LLMEngine:
             if mode == "auto" and draft_client is not None:     # auto_ssd: SSD stints next to local ones
                 from ssd.speculation.regime import RegimePolicy
 
-                self.step_impl.add_worker(WorkerProposer(draft_client), RegimePolicy(), thread_split)
+                self.step_impl.add_worker(WorkerProposer(draft_client, self.spec_counters), RegimePolicy(), thread_split)
             lookahead = k + 1
         else:
             raise ValueError(f"unknown mode {mode!r}; choose ar, sd, ssd or auto")
@@ -128,11 +128,12 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def _degrade(self, error: BaseException) -> None:
-        """The draft worker failed: finish everything with exact local AR decoding."""
+        """The draft worker (SSD: the last live one) failed: finish everything with exact local AR decoding."""
         if self.degraded_from is not None:
             return
         log.error("draft worker failed (%s: %s); continuing every request with local autoregressive "
                   "decoding (exact, slower)", type(error).__name__, error)
+        self.spec_counters.seqs_to_local += sum(not s.finished for s in self.seqs.values())
         self.degraded_from = self.mode
         self.mode = "ar"
         self.step_impl = ARStep(self.target, self.tracer)

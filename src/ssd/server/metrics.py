@@ -90,6 +90,17 @@ class ServerMetrics:
         if mode == "auto" and k:
             for j in range(k + 1):
                 self.auto_rows.labels(num_draft=str(j))
+        self.draft_workers_up = Gauge("ssd_draft_workers_up", "SSD: draft workers answering (data-parallel drafts: "
+                                      "--draft-workers; 0 outside SSD mode and after the last one failed)",
+                                      registry=r)
+        self.draft_worker_failures = Counter("ssd_draft_worker_failures", "SSD: draft workers given up on (dead, "
+                                             "silent past worker_timeout_s, or answering nonsense)", registry=r)
+        self.seqs_moved = Counter("ssd_spec_seqs_moved", "SSD: sequences whose draft worker failed, by where they "
+                                  "went (worker: another live worker, which catches up on them; local: exact local "
+                                  "AR decoding after the last worker failed)", ["to"], registry=r)
+        for to in ("worker", "local"):
+            self.seqs_moved.labels(to=to)
+        self._worker_failures = 0
         if mode == "ssd":
             self.draft_worker_up.set(1)
         if mode == "ssd" and k:
@@ -137,9 +148,16 @@ class ServerMetrics:
                 self.accepted_by_pos.labels(position=str(j)).inc(a - a0)
 
     def ssd_state(self, delta, worker_up: bool) -> None:
-        """SSD: count the speculation cache's hits/misses of `delta` (a SpecSnapshot difference since the
-        last call) and set the worker gauge."""
+        """SSD: count the speculation cache's hits/misses and the worker failures of `delta` (a SpecSnapshot
+        difference since the last call) and set the worker gauges."""
         self.draft_worker_up.set(1 if worker_up else 0)
+        self._worker_failures += max(delta.worker_failures, 0)
+        self.draft_workers_up.set(max(delta.draft_workers - self._worker_failures, 0) if worker_up else 0)
+        if delta.worker_failures > 0:
+            self.draft_worker_failures.inc(delta.worker_failures)
+        for to, n in (("worker", delta.seqs_moved), ("local", delta.seqs_to_local)):
+            if n > 0:
+                self.seqs_moved.labels(to=to).inc(n)
         if delta.no_room > 0:
             self.worker_no_room.inc(delta.no_room)
         for counter, by_k in ((self.cache_hits, delta.hits_by_k), (self.cache_misses, delta.misses_by_k)):

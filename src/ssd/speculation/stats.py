@@ -17,6 +17,9 @@ from dataclasses import dataclass, field, fields
 __all__ = ["SpecCounters", "SpecSnapshot"]
 
 
+_LEVELS = {"draft_workers"}       # snapshot fields that are states, not counts
+
+
 def _grow(xs: list[int], n: int) -> None:
     while len(xs) < n:
         xs.append(0)
@@ -38,6 +41,11 @@ class SpecCounters:
     verify_s: float = 0.0           # target busy verifying
     worker_busy_s: float = 0.0      # SSD: the worker's own busy time (drafting + pre-drafting), cumulative
     chains_drafted: int = 0         # SSD: pre-drafted chains, cumulative
+    # SSD with data-parallel drafts (worker/proposer.py): failures and where their sequences went
+    draft_workers: int = 0          # workers the engine started with (a level, not a count: kept by delta)
+    worker_failures: int = 0        # workers given up on (dead, silent or answering nonsense)
+    seqs_moved: int = 0             # sequences re-added to another live worker after theirs failed
+    seqs_to_local: int = 0          # unfinished requests when the last worker failed (continued with local AR)
     # mode "auto": the chooser's decisions and how its predictions held up
     plain_rounds: int = 0           # rounds it ran without any draft (a plain target step)
     rows_by_num_draft: list[int] = field(default_factory=list)   # [j]: sequence-rounds given j draft tokens
@@ -101,6 +109,10 @@ class SpecSnapshot:
     verify_s: float = 0.0
     worker_busy_s: float = 0.0
     chains_drafted: int = 0
+    draft_workers: int = 0
+    worker_failures: int = 0
+    seqs_moved: int = 0
+    seqs_to_local: int = 0
     plain_rounds: int = 0
     rows_by_num_draft: tuple[int, ...] = ()
     predicted_tokens: float = 0.0
@@ -117,7 +129,9 @@ class SpecSnapshot:
         out = {}
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(before, f.name)
-            if isinstance(a, tuple):
+            if f.name in _LEVELS:
+                out[f.name] = a
+            elif isinstance(a, tuple):
                 b = b + (0,) * (len(a) - len(b))
                 out[f.name] = tuple(x - y for x, y in zip(a, b))
             else:
@@ -138,10 +152,15 @@ class SpecSnapshot:
                 "tokens_per_round_on_hit": per(self.tokens_on_hit, self.hits),
                 "tokens_per_round_on_miss": per(self.tokens_on_miss, self.misses),
                 "target_idle_fraction": per(self.wait_s, busy),
-                "draft_busy_fraction": min(self.worker_busy_s / busy, 1.0) if busy else None,
+                # per worker: the workers' summed busy time over the target's time, divided by their number
+                "draft_busy_fraction": min(self.worker_busy_s / max(self.draft_workers, 1) / busy, 1.0)
+                if busy else None,
                 "ms_per_round": per(1e3 * busy, self.rounds),
                 "verify_ms_per_round": per(1e3 * self.verify_s, self.rounds),
                 "chains_drafted": self.chains_drafted,
+                **({"draft_workers": self.draft_workers, "draft_worker_failures": self.worker_failures,
+                    "seqs_moved_to_other_worker": self.seqs_moved, "seqs_moved_to_local_ar": self.seqs_to_local}
+                   if self.draft_workers else {}),
                 **({"auto_plain_round_share": per(self.plain_rounds, self.rounds),
                     "auto_rows_by_num_draft": list(self.rows_by_num_draft),
                     "auto_predicted_tokens_per_s": per(self.predicted_tokens, self.predicted_s),

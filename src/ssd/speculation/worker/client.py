@@ -1,5 +1,6 @@
 """The engine's side of the link to a draft worker: start it (or wait for one started by hand on
-another host), hand it its whole configuration, then send typed messages (docs/ARCHITECTURE.md 3)."""
+another host), hand it its whole configuration, then send typed messages (docs/ARCHITECTURE.md 4).
+One client per worker."""
 from __future__ import annotations
 
 import logging
@@ -30,6 +31,7 @@ class DraftClient:
         self.abandoned = False
         self.chan: Channel | None = None
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
+        self.address = f"{host}:{port}"
         if listen is None:
             cmd = [sys.executable, "-m", "ssd.speculation.worker", "--connect", f"{host}:{port}",
                    "--device", device, "--timeout", str(timeout_s)]
@@ -107,7 +109,15 @@ class DraftClient:
             self.chan.send(m.Free(list(seq_ids)))
 
     def speculate(self, requests: list[m.Request], verify_s: float = 0.0) -> m.Speculation:
-        self.chan.send(m.Speculate(requests, verify_s))
+        self.post_speculate(requests, verify_s).wait()
+        return self.recv_speculation()
+
+    def post_speculate(self, requests: list[m.Request], verify_s: float = 0.0):
+        """Start asking for a round's speculation; wait() on the result returns once the worker has the
+        request (several workers are asked first and waited for after, so they draft at once)."""
+        return self.chan.post(m.Speculate(requests, verify_s))
+
+    def recv_speculation(self) -> m.Speculation:
         msg = self.chan.recv()
         if not isinstance(msg, m.Speculation):
             raise DraftWorkerError(f"unexpected reply {type(msg).__name__}")
@@ -136,6 +146,30 @@ class DraftClient:
                 self.proc.kill()
         if self.chan is not None:
             self.chan.close()
+
+
+def start_clients(wcfg, kwargs: list[dict]):
+    """Start (or wait for) one draft worker per kwargs, all at once; on any failure close the others
+    and raise the first error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(kwargs) == 1:
+        return [DraftClient(wcfg, **kwargs[0])]
+    with ThreadPoolExecutor(len(kwargs)) as pool:
+        futures = [pool.submit(DraftClient, wcfg, **kw) for kw in kwargs]
+        results = []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except Exception as e:      # noqa: BLE001 - re-raised below, after the others are closed
+                results.append(e)
+    errors = [r for r in results if isinstance(r, Exception)]
+    if errors:
+        for r in results:
+            if not isinstance(r, Exception):
+                r.close()
+        raise errors[0]
+    return results
 
 
 def _split(hostport: str) -> tuple[str, int]:
