@@ -36,11 +36,24 @@ class LLM:
         self._ssd_cpu_split(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.target = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.progress)
+        self._tp = None
+        self._client = None
+        if cfg.tensor_parallel_size > 1:
+            self._tp = self._start_tensor_parallel()
+            self.target = self._tp.loaded
+        else:
+            self.target = load_model(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.progress)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()        # no orphan ranks or worker when a later part of start-up fails
+            raise
+
+    def _build(self, cfg: EngineConfig) -> None:
         self.tokenizer = self.target.tokenizer
         mcfg = self.target.config
         self.max_model_len = min(cfg.max_model_len, mcfg.max_position_embeddings)
-        target_runner = self._runner(self.target, cfg.device, None)
+        target_runner = self._runner(self.target, cfg.device, None, self._tp)
         # SSD's local worker runs on CPU cores unless draft_device names a GPU; SD's draft defaults to device
         draft_device = (cfg.draft_device or "cpu") if cfg.mode == "ssd" else (cfg.draft_device or cfg.device)
         self.draft_dtype = draft_dtype_for(cfg.dtype, cfg.draft_dtype, draft_device, cfg.draft)
@@ -48,7 +61,7 @@ class LLM:
         draft_client = None
         self.draft = None
         if cfg.mode == "ssd":
-            draft_client = self._start_worker(target_runner)
+            draft_client = self._client = self._start_worker(target_runner)
         elif cfg.mode != "ar":
             self.draft = load_model(cfg.draft, self.draft_dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
                                     cfg.progress)
@@ -73,7 +86,7 @@ class LLM:
         import os
 
         if cfg.mode != "ssd" or cfg.threads is not None or cfg.draft_host is not None or cfg.device != "cpu" \
-                or (cfg.draft_device or "cpu") != "cpu":
+                or (cfg.draft_device or "cpu") != "cpu" or cfg.tensor_parallel_size > 1:
             return
         usable = len(os.sched_getaffinity(0))
         worker = len(cfg.draft_cores) if cfg.draft_cores else 1
@@ -82,6 +95,29 @@ class LLM:
             cfg.prefill_threads = cfg.prefill_threads or usable
             log.info("ssd: target decodes on %d thread(s), prefills on %d; the draft worker has %d core(s)",
                      cfg.threads, cfg.prefill_threads, worker)
+
+    def _start_tensor_parallel(self):
+        """Check the split, then start ranks 1..N-1 (or wait for them) and load rank 0's shard. On a
+        CPU the ranks share this process's cores, less the SSD draft worker's."""
+        import json
+        import os
+
+        from ssd.distributed.sharding import head_split
+        from ssd.distributed.target import TPTarget
+        from ssd.models.config import ModelConfig
+        from ssd.models.registry import resolve_model
+
+        cfg = self.config
+        mcfg = ModelConfig.from_hf(json.loads((resolve_model(cfg.model, progress=cfg.progress) / "config.json")
+                                              .read_text()))
+        head_split(mcfg.num_heads, mcfg.num_kv_heads, cfg.tensor_parallel_size)    # a clear error, before spawning
+        cores = sorted(os.sched_getaffinity(0))
+        if cfg.mode == "ssd" and cfg.draft_host is None and (cfg.draft_device or "cpu") == "cpu" and len(cores) > 1:
+            worker = set(cfg.draft_cores or cores[-1:])
+            cores = [c for c in cores if c not in worker] or cores
+        return TPTarget(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.tensor_parallel_size,
+                        progress=cfg.progress, timeout_s=cfg.tp_timeout_s, listen=cfg.tp_host, cores=cores,
+                        threads=cfg.threads)
 
     def _start_worker(self, target_runner: ModelRunner):
         """Check the draft against the target, then start the SSD draft worker on its own cores."""
@@ -122,10 +158,13 @@ class LLM:
         self.engine.tracer.write(path)
 
     def close(self) -> None:
-        """Stop the draft worker (SSD). Also called at interpreter exit."""
+        """Stop the draft worker (SSD) and the tensor-parallel ranks. Also called at interpreter exit."""
         if getattr(self, "_client", None) is not None:
             self._client.close()
             self._client = None
+        if getattr(self, "_tp", None) is not None:
+            self._tp.close()
+            self._tp = None
 
     def __del__(self):
         try:
@@ -133,11 +172,15 @@ class LLM:
         except Exception:
             pass
 
-    def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None) -> ModelRunner:
+    def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None, tp=None) -> ModelRunner:
+        """tp: the tensor-parallel target; kv_cache_gb then sizes rank 0's shard of the cache (its KV
+        heads), and every rank holds the same number of slots."""
         bs = self.config.block_size
         if num_blocks is None:
             per_token = ModelRunner.kv_bytes_per_token(loaded.model, device)
             num_blocks = max(int(self.config.kv_cache_gb * 2**30 // (per_token * bs)), 2)
+        if tp is not None:
+            return tp.runner(num_blocks, bs, device)
         return ModelRunner(loaded.model, num_blocks, bs, torch.device(device))
 
     # ---- inputs -------------------------------------------------------------------------------
