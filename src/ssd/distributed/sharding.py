@@ -28,7 +28,7 @@ def split_even(n: int, parts: int) -> list[Range]:
     return out
 
 
-def split_units(n: int, unit: int, parts: int, what: str) -> list[Range]:
+def split_units(n: int, unit: int, parts: int, what: str = "dimension") -> list[Range]:
     """[0, n) in `parts` non-empty ranges whose bounds are multiples of `unit` (a quant block along
     the input dimension of a row-parallel weight), as even as possible in units."""
     if n % unit:
