@@ -132,6 +132,22 @@ def test_tp_greedy_generation_equals_tp1_ar(engines, tp):
     assert [o.token_ids for o in engines("qwen2", tp).generate(PROMPTS, GREEDY)] == ref
 
 
+def test_tp_stats_split_compute_and_all_reduce_per_rank(engines):
+    from ssd.bench.runner import tp_run_stats
+
+    lm = engines("qwen2", 2)
+    before = lm.tensor_parallel_stats()
+    lm.generate(PROMPTS[:1], GREEDY)
+    run = tp_run_stats(before, lm.tensor_parallel_stats())
+    assert run["size"] == 2 and run["steps"] >= GREEDY.max_tokens
+    layers = lm.target.config.num_layers
+    for r in run["ranks"]:
+        assert r["allreduces"] == 2 * layers * run["steps"]        # o_proj and down, every layer, every step
+        assert 0 < r["allreduce_s"] <= r["busy_s"] and r["compute_s"] == r["busy_s"] - r["allreduce_s"]
+        assert r["allreduce_ms_per_step"] > 0
+    assert engines("qwen2", 1).tensor_parallel_stats() is None
+
+
 def test_tp_shards_hold_only_their_kv_heads(engines):
     lm = engines("qwen2", 3)
     k, _ = lm.engine.target.kv_caches[0]

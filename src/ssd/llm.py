@@ -157,6 +157,11 @@ class LLM:
             raise ValueError("tracing is off: create the LLM with trace=True (CLI: --trace FILE)")
         self.engine.tracer.write(path)
 
+    def tensor_parallel_stats(self) -> dict | None:
+        """Cumulative timings of a tensor-parallel target (None without one): rank 0's forward count and
+        per rank the seconds busy in forwards and KV copies and, of those, in all-reduce."""
+        return None if self._tp is None else self._tp.stats()
+
     def close(self) -> None:
         """Stop the draft worker (SSD) and the tensor-parallel ranks. Also called at interpreter exit."""
         if getattr(self, "_client", None) is not None:

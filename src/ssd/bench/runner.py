@@ -79,6 +79,7 @@ class BenchConfig:
     progress: bool = True
     title: str | None = None
     ssd_options: dict = field(default_factory=dict)   # extra LLM(...) settings for mode ssd (fan-out, cores...)
+    tensor_parallel_size: int = 1            # target sharded over this many CPU ranks (runs record per-rank timings)
     prompts: dict[str, list[BenchPrompt]] | None = None   # injected prompts (dataset -> prompts)
 
     def __post_init__(self) -> None:
@@ -242,6 +243,7 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
                dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
                max_num_seqs=max(16, cfg.batch_size), progress=cfg.progress, trace=True,
+               tensor_parallel_size=cfg.tensor_parallel_size,
                **(cfg.ssd_options if mode == "ssd" else {}),
                **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}))
 
@@ -459,7 +461,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         "threads": cfg.threads if cfg.threads is not None else torch.get_num_threads(),
         "seed": cfg.seed, "warmup": cfg.warmup, "peers": cfg.peers, "placement": cfg.placement,
         "spec_max_batch": cfg.spec_max_batch,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
     }
+    if cfg.tensor_parallel_size > 1:
+        config["tensor_parallel_note"] = ("target_weight_bytes_per_token counts rank 0's shard (with the LM head); "
+                                          "runs carry per-rank compute and all-reduce times")
     if "ssd" in cfg.modes:
         config["ssd_target_threads"] = mode_threads(cfg, "ssd")
         config["ssd_draft_threads"] = cfg.ssd_options.get("draft_threads") or 1
@@ -509,7 +515,10 @@ def run_bench(cfg: BenchConfig) -> dict:
                 _warmup(llm, cfg, next(iter(rendered.values()))[0])
             for dataset, ids in rendered.items():
                 ssd_before = _ssd_counts(llm)
+                tp_before = llm.tensor_parallel_stats()
                 run, outputs = _run_engine(llm, cfg, dataset, ids, f"{label} {dataset}")
+                if tp_before is not None:
+                    run["tensor_parallel"] = tp_run_stats(tp_before, llm.tensor_parallel_stats())
                 if mode == "ssd":
                     run.update(_ssd_run_stats(llm, ssd_before))
                 elif mode == "auto":     # the chooser's decisions and predicted vs measured tokens/s
@@ -545,6 +554,19 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     return {"machine": machine, "config": config, "runs": runs, "summary": summarize(runs),
             "timelines": timelines, "elapsed_s": time.perf_counter() - t_start}
+
+
+def tp_run_stats(before: dict, after: dict) -> dict:
+    """Per-rank compute vs all-reduce time of one run (from two cumulative `tensor_parallel_stats`)."""
+    steps = after["forwards"] - before["forwards"]
+    ranks = []
+    for b, a in zip(before["ranks"], after["ranks"]):
+        busy, comm = a["busy_s"] - b["busy_s"], a["allreduce_s"] - b["allreduce_s"]
+        ranks.append(dict(rank=a["rank"], busy_s=busy, allreduce_s=comm, compute_s=busy - comm,
+                          allreduces=a["allreduces"] - b["allreduces"],
+                          allreduce_ms_per_step=comm / steps * 1e3 if steps else None,
+                          compute_ms_per_step=(busy - comm) / steps * 1e3 if steps else None))
+    return dict(size=len(ranks), steps=steps, ranks=ranks)
 
 
 def _run_peers(cfg: BenchConfig, prompts, rendered, ar_ids, config) -> list[dict]:

@@ -49,6 +49,8 @@ class TPTarget:
         self.group: TPGroup | None = None
         self.broken: str | None = None
         self._closed = False
+        self.busy_s = 0.0           # rank 0's time in mirrored forwards/copies (TPModelRunner)
+        self.forwards = 0
         from ssd.speculation.worker.transport import free_port
 
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
@@ -166,13 +168,17 @@ class TPTarget:
         if self.group is None:
             raise TensorParallelError("the tensor-parallel group is closed")
 
-    def stats(self) -> list[dict]:
-        """Per rank: seconds busy running commands, seconds in all-reduce, all-reduce count (rank 0: its
-        all-reduce time only; its compute is the engine's step time)."""
+    def stats(self) -> dict:
+        """Cumulative per-rank timings: seconds busy in forwards and KV copies, of which in all-reduce
+        (compute = busy - all-reduce), and all-reduce count; plus rank 0's forward count."""
         self.check()
-        self.group.send_command(STATS)
-        rows = self.group.gather_floats([0.0, self.group.comm_s, float(self.group.reduces)])
-        return [dict(rank=r, busy_s=b, allreduce_s=c, allreduces=int(n)) for r, (b, c, n) in enumerate(rows)]
+        try:
+            self.group.send_command(STATS)
+            rows = self.group.gather_floats([self.busy_s, self.group.comm_s, float(self.group.reduces)])
+        except RuntimeError as e:
+            raise self.fail(e) from e
+        return dict(forwards=self.forwards, ranks=[dict(rank=r, busy_s=b, allreduce_s=c, allreduces=int(n))
+                                                   for r, (b, c, n) in enumerate(rows)])
 
     # ---- shutdown ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -219,12 +225,16 @@ class TPModelRunner(ModelRunner):
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         self.tp.check()
+        t0 = time.perf_counter()
         try:
             self.tp.group.send_command(FORWARD, encode_batch(batch.tokens, batch.positions, batch.query_lens,
                                                              batch.ctx_slots))
             return super().run(batch)
         except RuntimeError as e:
             raise self.tp.fail(e) from e
+        finally:
+            self.tp.busy_s += time.perf_counter() - t0
+            self.tp.forwards += 1
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.tp.check()
