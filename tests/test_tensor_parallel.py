@@ -154,7 +154,7 @@ def test_tp_shards_hold_only_their_kv_heads(engines):
     assert k.shape[1] == 1 and lm._tp.world == 3        # rank 0 serves query head 0: KV head 0 only
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("mode", ["sd", "auto", "ssd"])
 def test_tp_speculative_greedy_equals_tp1_ar(folders, engines, tmp_path_factory, mode):
     draft = tmp_path_factory.mktemp(f"tp-draft-{mode}")
     make_tiny_hf("qwen2", draft, seed=1)
@@ -165,6 +165,26 @@ def test_tp_speculative_greedy_equals_tp1_ar(folders, engines, tmp_path_factory,
     try:
         assert [o.token_ids for o in lm.generate(PROMPTS, GREEDY)] == ref
         assert lm.draft is None or lm.draft.model.shard is None          # the draft stays whole
+    finally:
+        lm.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tp_float_backends_are_as_close_to_fp32_as_tp1(folders, engines, dtype):
+    """bf16 (torch GEMMs, fp32 on the wire) and fp16 FBGEMM (fp16 KV cache, C++ attention): TP's
+    partial sums round differently from one GEMM, so TP=2 is held to TP=1's own distance from fp32."""
+    from ssd.layers.linear import fbgemm_fp16_available
+
+    if dtype == "float16" and not fbgemm_fp16_available():
+        pytest.skip("no FBGEMM")
+    exact = all_logits(engines("qwen2", 1), IDS)
+    one = LLM(str(folders["qwen2"]), dtype=dtype, progress=False, kv_cache_gb=0.01)
+    err1 = (all_logits(one, IDS) - exact).abs().max().item()
+    lm = LLM(str(folders["qwen2"]), dtype=dtype, progress=False, kv_cache_gb=0.01, tensor_parallel_size=2)
+    try:
+        got = all_logits(lm, IDS)
+        assert (got - exact).abs().max().item() <= 2 * err1 + 1e-6
+        assert (got.argmax(-1) == exact.argmax(-1)).float().mean() > 0.9
     finally:
         lm.close()
 
@@ -249,12 +269,15 @@ def test_gguf_low_bit_tp2_equals_tp1(tiny_gguf):
 
 
 def test_gguf_row_split_off_the_quant_blocks_is_refused(tiny_gguf):
-    """TP=3 gives rank 0 one head (16 columns of o_proj), inside a Q8_0 block of 32."""
-    from ssd.models.loader import load_model
-
+    """TP=3 gives rank 0 one head (16 columns of o_proj), inside a Q8_0 block of 32: a clear error,
+    in bounded time, and the ranks already started are stopped."""
+    before = _live_children()
+    t0 = time.monotonic()
     with pytest.raises(ShardingError, match=r"o_proj: this rank's input columns \[0, 16\) do not fall on the "
-                                            r"weight's quant blocks of 32"):
-        load_model(tiny_gguf, "gguf", progress=False, shard=(0, 3))
+                                            r"weight's quant blocks of 32; .*pick a tensor_parallel_size"):
+        LLM(str(tiny_gguf), dtype="gguf", progress=False, kv_cache_gb=0.01, tensor_parallel_size=3)
+    assert time.monotonic() - t0 < 30
+    assert not _live_children() - before
 
 
 def test_gguf_partial_reads_equal_slices(tiny_gguf):
@@ -280,6 +303,21 @@ def test_tensor_parallel_size_is_validated(folders):
         LLM(str(folders["qwen2"]), dtype="float32", progress=False, tensor_parallel_size=5)
     with pytest.raises(ValueError, match="tp_host waits for tensor-parallel ranks"):
         LLM(str(folders["qwen2"]), dtype="float32", progress=False, tp_host="127.0.0.1:1")
+
+
+def _live_children() -> set[int]:
+    """Pids of this process's children that are not zombies (from /proc)."""
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                out.add(int(d))
+    return out
 
 
 def _gone(pid: int) -> bool:
@@ -310,6 +348,25 @@ def test_killed_rank_fails_the_engine_in_bounded_time_and_close_leaves_no_proces
     lm.close()
     assert time.monotonic() - t0 < 15
     assert all(p.poll() is not None for p in procs.values())
+
+
+def test_hung_rank_times_out_with_a_clear_error(folders):
+    """A rank alive but silent (SIGSTOP): the step's all-reduce gives up after tp_timeout_s."""
+    import signal
+
+    lm = LLM(str(folders["qwen2"]), dtype="float32", progress=False, kv_cache_gb=0.01, tensor_parallel_size=2,
+             tp_timeout_s=3)
+    rank = lm._tp.procs[1]
+    try:
+        lm.generate("abc", GREEDY)
+        os.kill(rank.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="a collective failed or timed out"):
+            lm.generate("abc", GREEDY)
+        assert time.monotonic() - t0 < 20
+    finally:
+        lm.close()
+    assert rank.poll() is not None
 
 
 def test_rank_that_never_joins_is_reported_in_bounded_time(folders):

@@ -65,6 +65,7 @@ class TPTarget:
                 log.warning("tensor_parallel_size=%d on fewer CPU cores: ranks are not pinned and share cores", world)
         atexit.register(_close_ref(self))
         try:
+            _build_kernels_first(dtype, device)
             if listen is None:
                 for r in range(1, world):
                     self.procs[r] = self._spawn(r, host, port, groups[r] if groups else None, threads)
@@ -191,6 +192,8 @@ class TPTarget:
             except Exception:       # noqa: BLE001 - ranks may be gone already
                 pass
         for p in self.procs.values():
+            if self.group is None or self.broken:       # never formed, or failed: nothing to wait for
+                p.kill()
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
@@ -199,6 +202,20 @@ class TPTarget:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def _build_kernels_first(dtype: str, device) -> None:
+    """Compile (or load) the C++ kernels here before any rank starts: N processes finding no cached
+    build would each wait on the build lock, and a rank killed while it holds that lock (start-up
+    timeout) would leave it behind for every later process."""
+    if torch.device(device).type != "cpu" or dtype in ("float32", "fp32", "bfloat16", "bf16"):
+        return
+    from ssd.kernels.build import KernelBuildError, load_qgemm
+
+    try:
+        load_qgemm()
+    except KernelBuildError:
+        pass        # the model load reports it (or falls back) as without tensor parallelism
 
 
 def _close_ref(tp: TPTarget):
