@@ -61,6 +61,13 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--auto-ssd", action="store_true",
                    help="auto: also start a draft worker and let auto run SSD stints where they measure faster "
                    "(the target takes the worker's cores back in the other rounds)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the target over N CPU ranks (this process is rank 0; the others are started on "
+                   "this host's cores, or wait for `ssd tp-rank` with --tp-host). Default %(default)s")
+    g.add_argument("--tp-host", default=None, help="HOST:PORT to wait for `ssd tp-rank --connect` ranks "
+                   "instead of starting them locally")
+    g.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds bounding tensor-parallel start-up and each step's collectives")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +102,9 @@ def _llm(args, **extra):
                kv_cache_gb=args.kv_cache_gb, spec_max_batch=args.spec_max_batch,
                draft_cores=parse_cores(args.draft_cores), num_draft_workers=args.draft_workers,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
-               saguaro_c=args.saguaro_c, backup=args.backup, auto_ssd=args.auto_ssd, **extra)
+               saguaro_c=args.saguaro_c, backup=args.backup, auto_ssd=args.auto_ssd,
+               tensor_parallel_size=args.tensor_parallel_size, tp_host=args.tp_host, tp_timeout_s=args.tp_timeout,
+               **extra)
 
 
 def _params(args):
@@ -320,6 +329,13 @@ def add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def _tp_rank(argv: list[str]) -> int:
+    from ssd.distributed.rank import main as rank_main
+
+    rank_main(argv)
+    return 0
+
+
 def _draft_worker(argv: list[str]) -> int:
     from ssd.speculation.worker.serve import main as worker_main
 
@@ -350,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("worker_args", nargs=argparse.REMAINDER)
     w.set_defaults(func=lambda a: _draft_worker(a.worker_args))
 
+    r = sub.add_parser("tp-rank", help="run one rank of a tensor-parallel target that connects to an engine "
+                       "(--tp-host)", add_help=False)
+    r.add_argument("rank_args", nargs=argparse.REMAINDER)
+    r.set_defaults(func=lambda a: _tp_rank(a.rank_args))
+
     m = sub.add_parser("models", help="list or prepare the built-in models")
     m.add_argument("action", choices=["list", "fetch"])
     m.add_argument("names", nargs="*", help="models to fetch (default: the default target and draft)")
@@ -367,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["draft-worker"]:           # its own parser: every flag goes to the worker
         return _draft_worker(argv[1:])
+    if argv[:1] == ["tp-rank"]:                # likewise for a tensor-parallel rank
+        return _tp_rank(argv[1:])
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -44,6 +44,10 @@ class EngineConfig:
     worker_timeout_s: float = 60.0
     auto_ssd: bool = False               # mode auto: also run a draft worker and let auto choose SSD stints
                                          # (the target takes the worker's cores back in the other rounds)
+    # tensor-parallel target (CPU ranks over gloo; ssd/distributed, docs/ARCHITECTURE.md)
+    tensor_parallel_size: int = 1        # ranks the target is sharded over; rank 0 is this process
+    tp_host: str | None = None           # "HOST:PORT": wait for `ssd tp-rank --connect` there instead of spawning
+    tp_timeout_s: float = 60.0           # bound on start-up and on every collective of a step
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -81,6 +85,15 @@ class EngineConfig:
                              f"with mode {self.mode!r})")
         if self.auto_ssd and self.mode != "auto":
             raise ValueError(f"auto_ssd lets mode 'auto' choose SSD rounds; it does not apply to mode {self.mode!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.device != "cpu":
+            raise ValueError(f"tensor_parallel_size > 1 runs CPU ranks over gloo; device {self.device!r} is not "
+                             "supported with it: use device='cpu' or tensor_parallel_size=1")
+        if self.tp_host is not None and self.tensor_parallel_size == 1:
+            raise ValueError("tp_host waits for tensor-parallel ranks; it needs tensor_parallel_size > 1")
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.prefill_threads is not None and self.prefill_threads < 1:
             raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")
 

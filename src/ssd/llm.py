@@ -37,11 +37,25 @@ class LLM:
         self._ssd_cpu_split(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.target = load_cached(load_model, cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.progress)
+        self._tp = None
+        self._clients = []
+        if cfg.tensor_parallel_size > 1:
+            self._tp = self._start_tensor_parallel()
+            self.target = self._tp.loaded
+        else:
+            self.target = load_cached(load_model, cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32,
+                                      cfg.progress)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.close()        # no orphan ranks or workers when a later part of start-up fails
+            raise
+
+    def _build(self, cfg: EngineConfig) -> None:
         self.tokenizer = self.target.tokenizer
         mcfg = self.target.config
         self.max_model_len = min(cfg.max_model_len, mcfg.max_position_embeddings)
-        target_runner = self._runner(self.target, cfg.device, None)
+        target_runner = self._runner(self.target, cfg.device, None, self._tp)
         # SSD's local worker runs on CPU cores unless draft_device names a GPU; SD's draft defaults to device
         draft_device = (cfg.draft_device or "cpu") if cfg.mode == "ssd" else (cfg.draft_device or cfg.device)
         self.draft_dtype = draft_dtype_for(cfg.dtype, cfg.draft_dtype, draft_device, cfg.draft)
@@ -50,8 +64,10 @@ class LLM:
         self.draft = None
         if cfg.mode == "ssd":
             draft_client = self._start_worker(target_runner)
+            self._clients = list(draft_client)
         if cfg.mode not in ("ar", "ssd"):
-            self.draft = load_cached(load_model, cfg.draft, self.draft_dtype, cfg.draft_device or cfg.device, cfg.max_model_len + 32,
+            self.draft = load_cached(load_model, cfg.draft, self.draft_dtype, cfg.draft_device or cfg.device,
+                                     cfg.max_model_len + 32,
                                     cfg.progress)
             check_vocab_compatible(self.tokenizer, self.draft.tokenizer, mcfg.vocab_size,
                                    self.draft.config.vocab_size)
@@ -61,6 +77,7 @@ class LLM:
         if cfg.mode == "auto" and cfg.auto_ssd:
             thread_split = self._auto_ssd_threads(cfg)
             draft_client = self._start_worker(target_runner)
+            self._clients = list(draft_client)
         eos = list(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
@@ -84,7 +101,7 @@ class LLM:
             return
         usable = sorted(os.sched_getaffinity(0))
         placement = local_cores(usable, cfg.num_draft_workers, cfg.draft_cores)    # a clear error, before loading
-        if cfg.threads is not None or cfg.device != "cpu":
+        if cfg.threads is not None or cfg.device != "cpu" or cfg.tensor_parallel_size > 1:
             return
         worker = sum(len(c) if c else 1 for c in placement)
         if len(usable) > worker:
@@ -113,6 +130,32 @@ class LLM:
         log.info("auto_ssd: the target runs on %d thread(s) while the worker drafts, on %d otherwise",
                  usable - worker, usable)
         return usable - worker, usable
+
+    def _start_tensor_parallel(self):
+        """Check the split, then start ranks 1..N-1 (or wait for them) and load rank 0's shard. On a
+        CPU the ranks share this process's cores, less the SSD draft worker's."""
+        import json
+        import os
+
+        from ssd.distributed.sharding import head_split
+        from ssd.distributed.target import TPTarget
+        from ssd.models.config import ModelConfig
+        from ssd.models.registry import resolve_model
+
+        cfg = self.config
+        mcfg = ModelConfig.from_hf(json.loads((resolve_model(cfg.model, progress=cfg.progress) / "config.json")
+                                              .read_text()))
+        head_split(mcfg.num_heads, mcfg.num_kv_heads, cfg.tensor_parallel_size)    # a clear error, before spawning
+        from ssd.speculation.worker.placement import local_cores
+
+        cores = sorted(os.sched_getaffinity(0))
+        workers = cfg.mode == "ssd" or cfg.mode == "auto" and cfg.auto_ssd
+        if workers and cfg.draft_host is None and (cfg.draft_device or "cpu") == "cpu" and len(cores) > 1:
+            taken = {c for w in local_cores(cores, cfg.num_draft_workers, cfg.draft_cores) for c in (w or [])}
+            cores = [c for c in cores if c not in taken] or cores
+        return TPTarget(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.tensor_parallel_size,
+                        progress=cfg.progress, timeout_s=cfg.tp_timeout_s, listen=cfg.tp_host, cores=cores,
+                        threads=cfg.threads)
 
     def _start_worker(self, target_runner: ModelRunner):
         """Check the draft against the target, then start the SSD draft workers (each on its own cores,
@@ -162,11 +205,19 @@ class LLM:
             raise ValueError("tracing is off: create the LLM with trace=True (CLI: --trace FILE)")
         self.engine.tracer.write(path)
 
+    def tensor_parallel_stats(self) -> dict | None:
+        """Cumulative timings of a tensor-parallel target (None without one): rank 0's forward count and
+        per rank the seconds busy in forwards and KV copies and, of those, in all-reduce."""
+        return None if self._tp is None else self._tp.stats()
+
     def close(self) -> None:
-        """Stop the draft workers (SSD). Also called at interpreter exit."""
+        """Stop the draft workers (SSD) and the tensor-parallel ranks. Also called at interpreter exit."""
         clients, self._clients = getattr(self, "_clients", []), []
         for c in clients:
             c.close()
+        if getattr(self, "_tp", None) is not None:
+            self._tp.close()
+            self._tp = None
 
     def __del__(self):
         try:
@@ -174,11 +225,15 @@ class LLM:
         except Exception:
             pass
 
-    def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None) -> ModelRunner:
+    def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None, tp=None) -> ModelRunner:
+        """tp: the tensor-parallel target; kv_cache_gb then sizes rank 0's shard of the cache (its KV
+        heads), and every rank holds the same number of slots."""
         bs = self.config.block_size
         if num_blocks is None:
             per_token = ModelRunner.kv_bytes_per_token(loaded.model, device)
             num_blocks = max(int(self.config.kv_cache_gb * 2**30 // (per_token * bs)), 2)
+        if tp is not None:
+            return tp.runner(num_blocks, bs, device)
         return ModelRunner(loaded.model, num_blocks, bs, torch.device(device))
 
     # ---- inputs -------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class Cell:
     wall: float = 0.0
     decode_wall: float = 0.0
     before: object = None          # the engine's speculation counters before the cell (SpecSnapshot)
+    tp_before: dict | None = None  # tensor-parallel timings before the cell (LLM.tensor_parallel_stats)
 
 
 def median(xs: list[float | None]) -> float | None:
@@ -163,7 +164,8 @@ def measure(llms: dict[str, object], specs: list[EngineSpec], rendered: dict[str
         for bs in batch_sizes:
             for dataset, ids in rendered.items():
                 for lab in labels:
-                    cells[(lab, bs, dataset)] = Cell(before=spec_counts(llms[lab]))
+                    tp = getattr(llms[lab], "tensor_parallel_stats", None)
+                    cells[(lab, bs, dataset)] = Cell(before=spec_counts(llms[lab]), tp_before=tp() if tp else None)
                 for start in range(0, len(ids), bs):
                     chunk = ids[start:start + bs]
                     plist = [params(temperature, seed, start + i, max_tokens) for i in range(len(chunk))]

@@ -88,6 +88,7 @@ class BenchConfig:
     progress: bool = True
     title: str | None = None
     ssd_options: dict = field(default_factory=dict)   # extra LLM(...) settings for mode ssd (fan-out, cores...)
+    tensor_parallel_size: int = 1            # target sharded over this many CPU ranks (runs record per-rank timings)
     prompts: dict[str, list[BenchPrompt]] | None = None   # injected prompts (dataset -> prompts)
 
     def __post_init__(self) -> None:
@@ -247,6 +248,7 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
                dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
                max_num_seqs=max(16, *cfg.batch_sizes), progress=cfg.progress, trace=True,
+               tensor_parallel_size=cfg.tensor_parallel_size,
                **(cfg.ssd_options if mode == "ssd" or mode == "auto" and cfg.auto_ssd else {}),
                **({"auto_ssd": True} if mode == "auto" and cfg.auto_ssd else {}),
                **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}))
@@ -285,7 +287,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         "run_order": ("every batch of prompts runs once per configuration, in an order rotating by one "
                       "configuration per batch; engines share the loaded weights" if cfg.interleave else
                       "one configuration after another (AR first)"),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
     }
+    if cfg.tensor_parallel_size > 1:
+        config["tensor_parallel_note"] = ("target_weight_bytes_per_token counts rank 0's shard (with the LM head); "
+                                          "runs carry per-rank compute and all-reduce times")
     if "ssd" in cfg.modes:
         config["ssd_target_threads"] = mode_threads(cfg, "ssd")
         config["ssd_draft_threads"] = cfg.ssd_options.get("draft_threads") or 1
@@ -343,6 +349,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             spec = next(s for s in specs if s.label == lab)
             run = er.cell_entry(llm, cell, dataset, bs, cfg.max_tokens, f"{lab} {dataset}")
             run.update(er.spec_stats(llm, spec.mode, cell.before))
+            if cell.tp_before is not None:
+                run["tensor_parallel"] = tp_run_stats(cell.tp_before, llm.tensor_parallel_stats())
             entries[(lab, bs, dataset)] = run
         cells.update(got)
         for lab, llm in llms.items():
@@ -414,6 +422,19 @@ def _finish_runs(cfg: BenchConfig, specs, entries, cells, load_s, config, bandwi
                                   "(exactness bug?)", spec.label, dataset, bs, 100 * (1 - run["matches_ar"]))
                 runs.append(run)
     return runs, ar_ids
+
+
+def tp_run_stats(before: dict, after: dict) -> dict:
+    """Per-rank compute vs all-reduce time of one run (from two cumulative `tensor_parallel_stats`)."""
+    steps = after["forwards"] - before["forwards"]
+    ranks = []
+    for b, a in zip(before["ranks"], after["ranks"]):
+        busy, comm = a["busy_s"] - b["busy_s"], a["allreduce_s"] - b["allreduce_s"]
+        ranks.append(dict(rank=a["rank"], busy_s=busy, allreduce_s=comm, compute_s=busy - comm,
+                          allreduces=a["allreduces"] - b["allreduces"],
+                          allreduce_ms_per_step=comm / steps * 1e3 if steps else None,
+                          compute_ms_per_step=(busy - comm) / steps * 1e3 if steps else None))
+    return dict(size=len(ranks), steps=steps, ranks=ranks)
 
 
 def _run_peers(cfg: BenchConfig, prompts, rendered, ar_ids, config) -> list[dict]:

@@ -23,13 +23,25 @@ class ForwardItem:
     slots: torch.Tensor | None = None   # explicit context slots (len start+len(tokens)); default: block table
 
 
+@dataclass
+class StepBatch:
+    """One packed forward: what every tensor-parallel rank needs to run its shard (logit rows are
+    rank 0's business)."""
+
+    tokens: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    ctx_slots: list[torch.Tensor]     # per item: cache slot of every context position after the step
+    logit_rows: list[int]
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device):
         self.model = model
         self.device = device
         cfg = model.cfg
         self.block_manager = BlockManager(num_blocks, block_size)
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks * block_size, model.kv_heads, cfg.head_dim)     # this rank's KV heads
         kv_dtype = self.kv_dtype(model, device)
         self.attention_kernel = kv_dtype == torch.float16 and device.type == "cpu"
         self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
@@ -54,12 +66,20 @@ class ModelRunner:
     def kv_bytes_per_token(model: DecoderModel, device: torch.device | str = "cpu") -> int:
         cfg = model.cfg
         itemsize = torch.empty(0, dtype=ModelRunner.kv_dtype(model, device)).element_size()
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return 2 * cfg.num_layers * model.kv_heads * cfg.head_dim * itemsize
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """-> one [num_logits, vocab] float32 tensor per item. The block manager must already hold
         room for every token (allocate/append done by the caller)."""
+        batch = self.pack(items)
+        hidden = self.run(batch)
+        if not batch.logit_rows:
+            return [hidden.new_zeros(0, self.model.cfg.vocab_size) for _ in items]
+        logits = self.model.logits(hidden[torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)])
+        return list(logits.split([it.num_logits for it in items]))
+
+    def pack(self, items: list[ForwardItem]) -> StepBatch:
         bm = self.block_manager
         tokens, positions, logit_rows = [], [], []
         row = 0
@@ -80,15 +100,15 @@ class ModelRunner:
             # a draft narrower than its target sees target-only ids (padding rows): any id of its own
             # will do, since the target verifies every proposal
             tokens = [x if x < V else 0 for x in tokens]
-        meta = AttentionMetadata.build([len(it.tokens) for it in items], ctx_slots, self.device,
-                                       kernel=self.attention_kernel)
-        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(t, pos, meta, self.kv_caches)
-        if not logit_rows:
-            return [hidden.new_zeros(0, self.model.cfg.vocab_size) for _ in items]
-        logits = self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])
-        return list(logits.split([it.num_logits for it in items]))
+        return StepBatch(tokens, positions, [len(it.tokens) for it in items], ctx_slots, logit_rows)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """The model over one packed batch -> final hidden states [T, hidden]."""
+        meta = AttentionMetadata.build(batch.query_lens, batch.ctx_slots, self.device, kernel=self.attention_kernel)
+        t = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)
+        pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        return self.model(t, pos, meta, self.kv_caches)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV of cache slots src -> dst in every layer (reusing already computed entries)."""

@@ -31,7 +31,10 @@ def _build_dir() -> Path:
 
     from ssd.models.registry import cache_dir
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode()).hexdigest()[:16]
+    # the sources' folder is part of the key: torch's build file names the sources by absolute path, so
+    # two checkouts sharing one build folder would rebuild it each time the other one loads it
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + torch.__version__.encode()
+                         + str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"qgemm-{key}"
 
 

@@ -2,11 +2,13 @@
 tied embeddings, Llama-3 rope scaling). Works on a packed batch of new tokens over a paged KV cache."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ssd.distributed.sharding import RankShard, check_row_split, plan
 from ssd.kernels.gguf_pack import QWeight
 from ssd.layers.attention import AttentionMetadata, paged_attention
 from ssd.layers.linear import Linear
@@ -14,6 +16,7 @@ from ssd.layers.qlinear import QuantEmbedding, QuantLinear
 from ssd.layers.norm import RMSNorm
 from ssd.layers.rotary import RotaryEmbedding
 from ssd.models.config import ModelConfig
+from ssd.models.parts import read_part, weight_block
 
 # (name) -> tensor, or a QWeight for GGUF low-bit weights kept as stored; raises KeyError naming
 # the missing tensor
@@ -33,25 +36,45 @@ def cat_rows(parts: list) -> "torch.Tensor | list[QWeight]":
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, get: WeightGetter, make_linear: Callable):
+    """With a tensor-parallel shard (ssd/distributed/sharding.py): q/k/v and gate/up hold this rank's
+    output rows (its heads, its KV heads, its intermediate columns), o_proj and down its input
+    columns; their partial outputs are summed over ranks by `reduce` (in place). The families here
+    have no o_proj/down bias, so nothing is added more than once."""
+
+    def __init__(self, cfg: ModelConfig, i: int, get: WeightGetter, make_linear: Callable,
+                 shard: RankShard | None = None, reduce: Callable | None = None):
         super().__init__()
         p = f"model.layers.{i}."
-        bias = (lambda n: get(p + n + ".bias")) if cfg.attention_bias else (lambda n: None)
+        d = cfg.head_dim
+        full = shard is None or shard.is_full
+        # this rank's rows of q, of k and v, and of gate and up (None: all)
+        qr, kvr, fr = (None, None, None) if full else \
+            ((shard.heads.q[0] * d, shard.heads.q[1] * d), (shard.heads.kv[0] * d, shard.heads.kv[1] * d), shard.ffn)
+        part = lambda n, r=None, c=None: read_part(get, n, r, c)  # noqa: E731
+        bias = (lambda n, r: part(p + n + ".bias", r)) if cfg.attention_bias else (lambda n, r: None)
         a = p + "self_attn."
         # q, k and v share one GEMM (one weight read per token instead of three).
-        qkv_w = cat_rows([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
-        qkv_b = torch.cat([bias("self_attn.q_proj"), bias("self_attn.k_proj"), bias("self_attn.v_proj")]) \
-            if cfg.attention_bias else None
+        qkv_w = cat_rows([part(a + "q_proj.weight", qr), part(a + "k_proj.weight", kvr),
+                          part(a + "v_proj.weight", kvr)])
+        qkv_b = torch.cat([bias("self_attn.q_proj", qr), bias("self_attn.k_proj", kvr),
+                           bias("self_attn.v_proj", kvr)]) if cfg.attention_bias else None
         self.qkv = make_linear(qkv_w, qkv_b)
-        self.o_proj = make_linear(get(a + "o_proj.weight"), None)
-        self.gate_up = make_linear(cat_rows([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]), None)
-        self.down = make_linear(get(p + "mlp.down_proj.weight"), None)
+        if not full:
+            check_row_split(qr, weight_block(get, a + "o_proj.weight"), f"layer {i} self_attn.o_proj",
+                            f"its heads are split at multiples of head_dim {d}: pick a tensor_parallel_size "
+                            "whose head split lands on those blocks, or a float dtype")
+        self.o_proj = make_linear(part(a + "o_proj.weight", None, qr), None)
+        self.gate_up = make_linear(cat_rows([part(p + "mlp.gate_proj.weight", fr),
+                                             part(p + "mlp.up_proj.weight", fr)]), None)
+        self.down = make_linear(part(p + "mlp.down_proj.weight", None, fr), None)
+        self.reduce = None if full else reduce
         self.input_norm = RMSNorm(get(p + "input_layernorm.weight"), cfg.rms_norm_eps)
         self.post_norm = RMSNorm(get(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
         self.q_norm = RMSNorm(get(a + "q_norm.weight"), cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(get(a + "k_norm.weight"), cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.ffn = cfg.intermediate_size
+        self.h, self.hkv, self.d = (cfg.num_heads, cfg.num_kv_heads, d) if full else \
+            (shard.heads.num_q, shard.heads.num_kv, d)
+        self.ffn = cfg.intermediate_size if full else shard.ffn[1] - shard.ffn[0]
         self.scale = cfg.head_dim ** -0.5
         self.fused = None          # (ops module, isa) when DecoderModel enables the C++ glue
 
@@ -66,9 +89,15 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        x = x + self.o_proj(attn.reshape(T, self.h * self.d))
+        x = x + self._sum(self.o_proj(attn.reshape(T, self.h * self.d)))
         gate, up = self.gate_up(self.post_norm(x)).split([self.ffn, self.ffn], dim=-1)
-        return x + self.down(nn.functional.silu(gate) * up)
+        return x + self._sum(self.down(nn.functional.silu(gate) * up))
+
+    def _sum(self, y: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel layer's partial output (identity without TP)."""
+        if self.reduce is None:
+            return y
+        return self.reduce(y)
 
     def _forward_fused(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
         """The same layer with its row-wise glue in C++ (CPU low-bit path, float32 activations)."""
@@ -81,22 +110,36 @@ class DecoderLayer(nn.Module):
         q, k, v = ops.qkv_rope(qkv, positions, rope.cos, rope.sin, self.h, self.hkv, self.d, qn, kn,
                                self.q_norm.eps if self.q_norm is not None else eps)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        x = x + self.o_proj(attn.reshape(T, self.h * self.d))
+        x = x + self._sum(self.o_proj(attn.reshape(T, self.h * self.d)))
         h = self.gate_up(ops.rms_norm(x, self.post_norm.weight, self.post_norm.eps))
-        return x + self.down(ops.silu_mul(h, isa))
+        return x + self._sum(self.down(ops.silu_mul(h, isa)))
 
 
 _EMPTY = torch.empty(0)
+
+
+def _plan_shard(cfg: ModelConfig, get: WeightGetter, rank: int, world: int) -> RankShard:
+    """This rank's shard; the intermediate split falls on down_proj's quant blocks (all layers)."""
+    unit = 1
+    for i in range(cfg.num_layers):
+        unit = math.lcm(unit, weight_block(get, f"model.layers.{i}.mlp.down_proj.weight"))
+    return plan(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, world, rank, unit)
 
 
 class DecoderModel(nn.Module):
     """forward(tokens [T], positions [T], meta, kv caches) -> hidden [T, hidden]; logits(hidden) -> [N, vocab]."""
 
     def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, packed: str | None,
-                 max_positions: int):
+                 max_positions: int, shard: tuple[int, int] | None = None, reduce: Callable | None = None):
+        """shard: (rank, world) of a tensor-parallel target; reduce: in-place sum over the ranks.
+        Every rank holds the embedding (replicated: a gather, no communication); only rank 0 holds
+        the final norm's consumer, the LM head (logits are wanted on rank 0 only)."""
         super().__init__()
         self.cfg = cfg
         self.packed = packed
+        self.shard = None if shard is None else _plan_shard(cfg, get, *shard)
+        self.kv_heads = cfg.num_kv_heads if self.shard is None else self.shard.heads.num_kv
+        self.has_head = self.shard is None or self.shard.rank == 0
         self.dtype = torch.float32 if packed else dtype      # FBGEMM and GGUF kernels take fp32 activations
         # packed == "gguf": low-bit weights run in QuantLinear; float ones (F16/F32 tensors in a GGUF,
         # or types the kernel lacks) in FBGEMM fp16.
@@ -117,10 +160,14 @@ class DecoderModel(nn.Module):
             self.embed = QuantEmbedding(embed, self.dtype)
         else:
             self.embed = nn.Parameter(embed.to(dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, get, make_linear) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, get, make_linear, self.shard, reduce)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(get("model.norm.weight").to(self.dtype), cfg.rms_norm_eps)
-        head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
-        self.lm_head = make_linear(head, None)
+        if self.has_head:
+            head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+            self.lm_head = make_linear(head, None)
+        else:
+            self.lm_head = None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, self.dtype)
         for m in self.modules():
             if isinstance(m, RMSNorm):
@@ -145,6 +192,8 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError("this tensor-parallel rank holds no LM head: logits are computed on rank 0")
         return self.lm_head(hidden).float()
 
     def weight_bytes_per_token(self) -> int:

@@ -46,10 +46,53 @@ class GGUFWeights:
             return _unpermute_qk(np.arange(rows), self.n_kv)
         return None
 
-    def __call__(self, name: str) -> "torch.Tensor | QWeight":
+    def _tensor(self, name: str):
         t = self._by_hf.get(name)
         if t is None:
             raise KeyError(f"weight {name!r} is missing from {self.path.name}")
+        return t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(_hf_shape(self._tensor(name)))
+
+    def block(self, name: str) -> int:
+        """Values per quant block along the input dimension (1: a float tensor)."""
+        t = self._tensor(name)
+        tid = int(t.tensor_type)
+        return GGML_TYPES[tid][1] if tid in GGML_TYPES and len(_hf_shape(t)) == 2 else 1
+
+    def part(self, name: str, rows=None, cols=None) -> "torch.Tensor | QWeight":
+        """Rows [r0, r1) (after the Q/K un-permutation, which stays within a head) and/or input columns
+        [c0, c1) (on quant-block bounds) of a weight, reading only those bytes of the mapped file."""
+        t = self._tensor(name)
+        shape = _hf_shape(t)
+        tid = int(t.tensor_type)
+        perm = self._perm(t.name, shape[0])
+        idx = np.arange(shape[0]) if perm is None else perm
+        if rows is not None:
+            idx = idx[rows[0]:rows[1]]
+        if tid in GGML_TYPES and len(shape) == 2:
+            fmt, bs, nbytes = GGML_TYPES[tid]
+            raw = np.asarray(t.data).reshape(shape[0], -1)
+            raw = raw[idx] if (rows is not None or perm is not None) else raw
+            K = shape[1]
+            if cols is not None:
+                if cols[0] % bs or cols[1] % bs:
+                    raise ValueError(f"{name}: {fmt} columns [{cols[0]}, {cols[1]}) do not fall on its blocks of {bs}")
+                raw, K = raw[:, cols[0] // bs * nbytes:cols[1] // bs * nbytes], cols[1] - cols[0]
+            return unpack(np.ascontiguousarray(raw), tid, (raw.shape[0], K))
+        if t.tensor_type.name in ("F32", "F16"):
+            w = np.asarray(t.data).reshape(shape)
+            w = w[idx] if (rows is not None or perm is not None) else w
+        else:       # BF16 and types without a kernel: dequantized whole, then sliced
+            w = self(name).numpy()
+            w = w[rows[0]:rows[1]] if rows is not None else w
+        if cols is not None:
+            w = w[:, cols[0]:cols[1]]
+        return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+
+    def __call__(self, name: str) -> "torch.Tensor | QWeight":
+        t = self._tensor(name)
         shape = _hf_shape(t)
         tid = int(t.tensor_type)
         tname = t.tensor_type.name

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from ssd.layers.linear import fbgemm_fp16_available
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderModel
+from ssd.models.parts import OnDevice
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class LoadedModel:
     tokenizer: object
     path: Path
     dtype_name: str
+    bytes_read: int | None = None      # weight bytes read from safetensors files (None: not counted)
 
 
 LOW_BIT = ("gguf", "q8_0", "q4_1")
@@ -144,14 +146,41 @@ def _low_bit_getter(spec, dtype: str, device: torch.device, folder_get):
                 if w.dim() == 2 and w.shape[1] % 32 == 0:
                     return quantize_q4_1(w)
             return w
+
+        def requantized(name):          # a float tensor that get4 quantizes whole (so in parts too)
+            shape = weights.shape(name)
+            return _is_linear_weight(name) and weights.block(name) == 1 and len(shape) == 2 and shape[1] % 32 == 0
+
+        def part4(name, rows=None, cols=None):
+            w = weights.part(name, rows, cols)
+            if _is_linear_weight(name):
+                if isinstance(w, QWeight):
+                    return to_4bit(w)
+                if requantized(name):
+                    return quantize_q4_1(w)
+            return w
+
         get4.reader = weights.reader
         get4.requantized = True
+        get4.part = part4
+        get4.block = lambda name: 32 if requantized(name) else weights.block(name)
         return get4
     quant = quantize_q4_1 if dtype == "q4_1" else quantize_q8_0
 
+    def quantizes(name: str) -> bool:
+        shape = folder_get.shape(name)
+        return _is_linear_weight(name) and len(shape) == 2 and shape[1] % 32 == 0
+
     def get(name):
         w = folder_get(name)
-        return quant(w) if _is_linear_weight(name) and w.dim() == 2 and w.shape[1] % 32 == 0 else w
+        return quant(w) if quantizes(name) else w
+
+    def part(name, rows=None, cols=None):
+        w = folder_get.part(name, rows, cols)
+        return quant(w) if quantizes(name) else w
+
+    get.part = part
+    get.block = lambda name: 32 if quantizes(name) else 1
     return get
 
 
@@ -165,12 +194,30 @@ class SafetensorsWeights:
                                     "config.json, *.safetensors and tokenizer files")
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {k: h for h in self._handles for k in h.keys()}
+        self.bytes_read = 0          # tensor bytes handed out (a tensor-parallel rank reads only its shard)
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         h = self._where.get(name)
         if h is None:
             raise KeyError(f"weight {name!r} is missing from the checkpoint")
-        return h.get_tensor(name)
+        return h
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self._counted(self._handle(name).get_tensor(name))
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())
+
+    def part(self, name: str, rows=None, cols=None) -> torch.Tensor:
+        """Rows [r0, r1) and/or columns [c0, c1) of a weight, reading only those bytes."""
+        sl = self._handle(name).get_slice(name)
+        r = slice(None) if rows is None else slice(*rows)
+        t = sl[r] if cols is None else sl[r, cols[0]:cols[1]]
+        return self._counted(t.contiguous())
+
+    def _counted(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
 
 def load_tokenizer(path: Path):
@@ -180,7 +227,10 @@ def load_tokenizer(path: Path):
 
 
 def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
-               max_positions: int | None = None, progress: bool = True) -> LoadedModel:
+               max_positions: int | None = None, progress: bool = True, shard=None,
+               reduce=None) -> LoadedModel:
+    """shard: (rank, world) of a tensor-parallel target (None: the whole model); reduce: the
+    in-place sum over ranks of the row-parallel layers' partial outputs (ssd/distributed)."""
     from ssd.models.registry import resolve_model
 
     device = torch.device(device)
@@ -197,7 +247,7 @@ def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device
         get, td, packed = low_bit, torch.float32, "gguf"
     max_pos = max_positions or cfg.max_position_embeddings
     with torch.device(device) if device.type != "cpu" else _nullctx():
-        model = DecoderModel(cfg, lambda n: _to(get(n), device), td, packed, max_pos)
+        model = DecoderModel(cfg, OnDevice(get, device), td, packed, max_pos, shard, reduce)
     model.eval()
     tok = load_tokenizer(path)
     name = {"fp16": "float16 (FBGEMM, fp32 activations)", "int8": "int8 (FBGEMM, per-row weights, dynamic "
@@ -212,9 +262,10 @@ def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device
         else:
             src = f"quantized to {dtype.upper()} at load (lossy)"
         name = f"low-bit {'/'.join(fmts)} {src} (int8 activations per 32 values)"
-    log.info("loaded %s (%s, %d layers) as %s on %s in %.1fs", path.name, cfg.architecture, cfg.num_layers,
-             name, device, time.perf_counter() - t0)
-    return LoadedModel(model, cfg, tok, path, name)
+    where = "" if shard is None else f" (tensor-parallel shard {shard[0]} of {shard[1]})"
+    log.info("loaded %s (%s, %d layers) as %s on %s%s in %.1fs", path.name, cfg.architecture, cfg.num_layers,
+             name, device, where, time.perf_counter() - t0)
+    return LoadedModel(model, cfg, tok, path, name, getattr(get, "bytes_read", None))
 
 
 class _nullctx:
@@ -224,6 +275,3 @@ class _nullctx:
     def __exit__(self, *a):
         return False
 
-
-def _to(w, device: torch.device):
-    return w.to(device) if isinstance(w, torch.Tensor) else w

@@ -1,0 +1,112 @@
+"""The tensor-parallel process group: rank 0 (the engine) and ranks 1..N-1 (ssd/distributed/rank.py).
+
+Its own TCP store and two gloo groups on it (never torch's global default group, so it can live
+next to an SSD draft link or a second engine in one process):
+
+- `cmd`: rank 0 broadcasts the next command's header to the ranks. Idle ranks wait here for as
+  long as the engine is idle, so its timeout is long; a dead rank 0 closes the sockets, which ends
+  that wait at once.
+- `step`: the command's payload and the all-reduces of a forward, bounded by `timeout_s`: a rank
+  that dies or hangs mid-step makes rank 0 fail in bounded time, never hang.
+
+Time spent in all-reduce is accumulated per rank (`comm_s`, `reduces`) for the bench.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+IDLE_TIMEOUT = timedelta(days=7)
+
+# commands (header: kind, payload length)
+FORWARD, COPY, SHUTDOWN, STATS = 1, 2, 3, 4
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed, died, or did not join in time."""
+
+
+def make_store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, world_size=world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class TPGroup:
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float):
+        self.store, self.rank, self.world = store, rank, world
+        self.cmd = dist.ProcessGroupGloo(dist.PrefixStore("tp-cmd", store), rank, world, IDLE_TIMEOUT)
+        self.step = dist.ProcessGroupGloo(dist.PrefixStore("tp-step", store), rank, world,
+                                          timedelta(seconds=timeout_s))
+        self.comm_s = 0.0
+        self.reduces = 0
+        self.closed = False
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks (fp32 on the wire for 16-bit activations)."""
+        t0 = time.perf_counter()
+        buf = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+        self.step.allreduce([buf]).wait()
+        if buf is not t:
+            t.copy_(buf)
+        self.comm_s += time.perf_counter() - t0
+        self.reduces += 1
+        return t
+
+    def send_command(self, kind: int, payload: torch.Tensor | None = None) -> None:
+        """Rank 0: the header, then the int64 payload."""
+        n = 0 if payload is None else payload.numel()
+        self.cmd.broadcast(torch.tensor([kind, n], dtype=torch.long), 0).wait()
+        if n:
+            self.step.broadcast(payload.contiguous(), 0).wait()
+
+    def recv_command(self) -> tuple[int, torch.Tensor]:
+        """Ranks 1..N-1: wait (unbounded while rank 0 is idle) for the next command."""
+        header = torch.zeros(2, dtype=torch.long)
+        self.cmd.broadcast(header, 0).wait()
+        kind, n = header.tolist()
+        payload = torch.zeros(n, dtype=torch.long)
+        if n:
+            self.step.broadcast(payload, 0).wait()
+        return kind, payload
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (same length on all ranks), on every rank."""
+        t = torch.tensor(values, dtype=torch.float64)
+        out = [torch.zeros_like(t) for _ in range(self.world)]
+        self.step.allgather([out], [t]).wait()
+        return [o.tolist() for o in out]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for g in (self.step, self.cmd):
+            try:
+                g.shutdown()
+            except Exception:       # noqa: BLE001 - best effort at exit
+                pass
+
+
+def encode_batch(tokens, positions, query_lens, ctx_slots) -> torch.Tensor:
+    """One int64 tensor: [n, T, query_lens(n), ctx_lens(n), tokens(T), positions(T), slots...]."""
+    ctx = [torch.as_tensor(c, dtype=torch.long).reshape(-1) for c in ctx_slots]
+    head = torch.tensor([len(query_lens), len(tokens), *query_lens, *[len(c) for c in ctx], *tokens, *positions],
+                        dtype=torch.long)
+    return torch.cat([head, *ctx]) if ctx else head
+
+
+def decode_batch(t: torch.Tensor):
+    """-> (tokens, positions, query_lens, ctx_slots) as encode_batch took them."""
+    n, T = int(t[0]), int(t[1])
+    i = 2
+    query_lens = t[i:i + n].tolist()
+    ctx_lens = t[i + n:i + 2 * n].tolist()
+    i += 2 * n
+    tokens = t[i:i + T].tolist()
+    positions = t[i + T:i + 2 * T].tolist()
+    i += 2 * T
+    ctx_slots = list(t[i:].split(ctx_lens)) if n else []
+    return tokens, positions, query_lens, ctx_slots

@@ -1,0 +1,137 @@
+"""A tensor-parallel rank 1..N-1: joins rank 0's store, loads its shard of the target, then runs the
+commands rank 0 broadcasts (forward one packed batch over its shard and KV heads, copy KV slots)
+until told to stop or rank 0 goes away.
+
+Started by the engine (`python -m ssd.distributed.rank ...`), or by hand on another host:
+`ssd tp-rank --connect HOST:PORT --rank R --world-size N` (docs/ARCHITECTURE.md, "Tensor parallel target").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from ssd.distributed.group import COPY, FORWARD, SHUTDOWN, STATS, TPGroup, decode_batch, make_store
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY, KV_KEY = "ssd/config", "ssd/kv"
+
+
+def ready_key(rank: int) -> str:
+    return f"ssd/rank{rank}/ready"
+
+
+def error_key(rank: int) -> str:
+    return f"ssd/rank{rank}/error"
+
+
+class Reducer:
+    """The model's all-reduce, bound to the group once it exists (the shard is loaded first)."""
+
+    def __init__(self):
+        self.group: TPGroup | None = None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(t)
+
+
+def pin(cores: list[int] | None, threads: int | None) -> None:
+    if cores:
+        os.sched_setaffinity(0, cores)
+    n = threads or (len(cores) if cores else None)
+    if n:
+        torch.set_num_threads(n)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """A rank spawned by the engine exits when the engine process is gone (no orphans)."""
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(0.5)
+    threading.Thread(target=watch, daemon=True, name="ssd-tp-parent-watch").start()
+
+
+def serve(host: str, port: int, rank: int, world: int, model: str | None = None, device: str | None = None,
+          threads: int | None = None, cores: list[int] | None = None, timeout_s: float = 60.0) -> None:
+    from ssd.engine.model_runner import ModelRunner, StepBatch
+    from ssd.models.loader import load_model
+
+    pin(cores, threads)
+    store = make_store(host, port, rank, world, timeout_s)
+    conf = json.loads(store.get(CONFIG_KEY))
+    try:
+        if conf["world"] != world:
+            raise ValueError(f"this rank was started with --world-size {world} but the engine at {host}:{port} "
+                             f"runs tensor_parallel_size={conf['world']}")
+        if not 0 < rank < world:
+            raise ValueError(f"--rank must be in [1, {world - 1}] (rank 0 is the engine), got {rank}")
+        dev = torch.device(device or conf["device"])
+        reducer = Reducer()
+        loaded = load_model(model or conf["model"], conf["dtype"], dev, conf["max_positions"], False,
+                            shard=(rank, world), reduce=reducer)
+        kv = json.loads(store.get(KV_KEY))
+        runner = ModelRunner(loaded.model, kv["num_blocks"], kv["block_size"], dev)
+    except Exception as e:
+        store.set(error_key(rank), f"{type(e).__name__}: {e}")
+        raise
+    store.set(ready_key(rank), str(os.getpid()))
+    group = TPGroup(store, rank, world, conf["timeout_s"])
+    reducer.group = group
+    busy = 0.0
+    log.info("tensor-parallel rank %d/%d is up (pid %d)", rank, world, os.getpid())
+    try:
+        while True:
+            kind, payload = group.recv_command()
+            t0 = time.perf_counter()
+            if kind == FORWARD:
+                tokens, positions, query_lens, ctx = decode_batch(payload)
+                runner.run(StepBatch(tokens, positions, query_lens, ctx, []))
+            elif kind == COPY:
+                src, dst = payload.chunk(2)
+                runner.copy_slots(src, dst)
+            elif kind == STATS:
+                group.gather_floats([busy, group.comm_s, float(group.reduces)])
+            elif kind == SHUTDOWN:
+                break
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {kind}")
+            busy += time.perf_counter() - t0
+    finally:
+        group.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="ssd tp-rank", description="one rank of a tensor-parallel target")
+    p.add_argument("--connect", required=True, help="HOST:PORT of the engine (rank 0)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--model", default=None, help="the model's path on this host (default: the engine's)")
+    p.add_argument("--device", default=None, help="default: the engine's device")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cores", default=None, help="comma-separated CPU cores to pin this rank to")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the engine at start-up")
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[tp-rank {a.rank}] %(levelname)s %(message)s")
+    if a.parent_pid:
+        _watch_parent(a.parent_pid)
+    host, port = a.connect.rsplit(":", 1)
+    cores = [int(c) for c in a.cores.split(",")] if a.cores else None
+    try:
+        serve(host, int(port), a.rank, a.world_size, a.model, a.device, a.threads, cores, a.timeout)
+    except Exception as e:  # noqa: BLE001 - the engine sees the error key or a broken group
+        log.error("rank %d stopped: %s", a.rank, e)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Rank 0's side of a tensor-parallel target: start (or wait for) ranks 1..N-1, load rank 0's shard,
+form the group, and a ModelRunner that mirrors every forward and KV copy to the ranks.
+
+The scheduler, sampler, verifier and block manager stay on rank 0 and talk to `TPModelRunner`
+exactly as to a `ModelRunner`; logits exist on rank 0 only.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import torch
+
+from ssd.distributed.group import (COPY, FORWARD, SHUTDOWN, STATS, TensorParallelError, TPGroup, encode_batch,
+                                   make_store)
+from ssd.distributed.rank import CONFIG_KEY, KV_KEY, Reducer, error_key, ready_key
+from ssd.distributed.sharding import split_even
+from ssd.engine.model_runner import ModelRunner, StepBatch
+
+log = logging.getLogger(__name__)
+
+
+def rank_cores(available: list[int], world: int) -> list[list[int]] | None:
+    """Contiguous core groups, one per rank (rank 0 first), as even as possible; None when there are
+    fewer cores than ranks (then nothing is pinned)."""
+    if len(available) < world:
+        return None
+    cores = sorted(available)
+    return [cores[a:b] for a, b in split_even(len(cores), world)]
+
+
+class TPTarget:
+    def __init__(self, spec, dtype: str, device: str, max_positions: int, world: int, *, progress: bool = True,
+                 timeout_s: float = 60.0, listen: str | None = None, cores: list[int] | None = None,
+                 threads: int | None = None):
+        """listen: "HOST:PORT" to wait for ranks started by hand (`ssd tp-rank`) instead of spawning
+        them; cores: the CPU cores the ranks share (default: this process's, when on CPU)."""
+        from ssd.models.loader import load_model
+
+        self.world, self.timeout_s = world, timeout_s
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.group: TPGroup | None = None
+        self.broken: str | None = None
+        self._closed = False
+        self.busy_s = 0.0           # rank 0's time in mirrored forwards/copies (TPModelRunner)
+        self.forwards = 0
+        from ssd.speculation.worker.transport import free_port
+
+        host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
+        self.address = f"{host}:{port}"
+        self.store = make_store(host if listen is None else "0.0.0.0", port, 0, world, timeout_s)
+        self.store.set(CONFIG_KEY, json.dumps(dict(model=str(spec), dtype=dtype, device=str(device),
+                                                   max_positions=max_positions, world=world, timeout_s=timeout_s)))
+        groups = None
+        if torch.device(device).type == "cpu" and threads is None:
+            groups = rank_cores(cores or sorted(os.sched_getaffinity(0)), world)
+            if groups is None:
+                log.warning("tensor_parallel_size=%d on fewer CPU cores: ranks are not pinned and share cores", world)
+        atexit.register(_close_ref(self))
+        try:
+            _build_kernels_first(dtype, device)
+            if listen is None:
+                for r in range(1, world):
+                    self.procs[r] = self._spawn(r, host, port, groups[r] if groups else None, threads)
+            else:
+                log.info("tensor parallel: waiting for ranks 1..%d: start each with `ssd tp-rank --connect "
+                         "HOST:%d --rank R --world-size %d`", world - 1, port, world)
+            if groups:
+                torch.set_num_threads(len(groups[0]))     # rank 0 is this process: threads, no pinning
+            elif threads:
+                torch.set_num_threads(threads)
+            self._reducer = Reducer()
+            self.loaded = load_model(spec, dtype, device, max_positions, progress, shard=(0, world),
+                                     reduce=self._reducer)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, rank: int, host: str, port: int, cores: list[int] | None, threads: int | None):
+        cmd = [sys.executable, "-m", "ssd.distributed.rank", "--connect", f"{host}:{port}", "--rank", str(rank),
+               "--world-size", str(self.world), "--timeout", str(self.timeout_s), "--parent-pid", str(os.getpid())]
+        if cores:
+            cmd += ["--cores", ",".join(map(str, cores))]
+        if threads or cores:
+            cmd += ["--threads", str(threads or len(cores))]
+        from ssd.speculation.worker.client import _child_env
+
+        return subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
+
+    # ---- start-up ----------------------------------------------------------------------------------
+    def runner(self, num_blocks: int, block_size: int, device) -> "TPModelRunner":
+        """Tell the ranks the KV cache size, wait for them (bounded), form the group."""
+        try:
+            self.store.set(KV_KEY, json.dumps(dict(num_blocks=num_blocks, block_size=block_size)))
+            self._wait_ready()
+            self._form_group()
+        except BaseException:
+            self.close()
+            raise
+        return TPModelRunner(self, self.loaded.model, num_blocks, block_size, torch.device(device))
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        waiting = set(range(1, self.world))
+        while waiting:
+            for r in sorted(waiting):
+                if self.store.check([error_key(r)]):
+                    raise TensorParallelError(f"tensor-parallel rank {r} failed to start: "
+                                              f"{self.store.get(error_key(r)).decode()}")
+                if self.store.check([ready_key(r)]):
+                    waiting.discard(r)
+            self._check_procs("during start-up")
+            if waiting and time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel rank(s) {sorted(waiting)} did not join {self.address} within "
+                    f"{self.timeout_s:.0f}s: start them (`ssd tp-rank --connect {self.address} --rank R --world-size "
+                    f"{self.world}`) or raise tp_timeout_s")
+            time.sleep(0.02)
+
+    def _form_group(self) -> None:
+        err: list[BaseException] = []
+
+        def join():
+            try:
+                self.group = TPGroup(self.store, 0, self.world, self.timeout_s)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                err.append(e)
+        t = threading.Thread(target=join, daemon=True)
+        t.start()
+        deadline = time.monotonic() + self.timeout_s
+        while t.is_alive():
+            t.join(0.05)
+            self._check_procs("while forming the group")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"the tensor-parallel group on {self.address} did not form within "
+                                          f"{self.timeout_s:.0f}s")
+        if err:
+            raise TensorParallelError(f"could not form the tensor-parallel group on {self.address}: {err[0]}")
+        self._reducer.group = self.group
+        log.info("tensor parallel: %d ranks up on %s", self.world, self.address)
+
+    def _check_procs(self, when: str) -> None:
+        for r, p in self.procs.items():
+            if p.poll() is not None:
+                tail = p.stderr.read().decode(errors="replace")[-2000:] if p.stderr else ""
+                raise TensorParallelError(f"tensor-parallel rank {r} (pid {p.pid}) exited {when} with code "
+                                          f"{p.returncode}:\n{tail}")
+
+    # ---- failures ----------------------------------------------------------------------------------
+    def fail(self, e: BaseException) -> TensorParallelError:
+        """The group is unusable after any failed collective: say which rank went away, if known."""
+        dead = [f"rank {r} (pid {p.pid}, exit code {p.returncode})" for r, p in self.procs.items()
+                if p.poll() is not None]
+        what = f"{', '.join(dead)} exited" if dead else f"a collective failed or timed out ({e})"
+        self.broken = (f"the tensor-parallel target is down: {what}. This engine cannot continue; close it and "
+                       "start a new LLM")
+        return TensorParallelError(self.broken)
+
+    def check(self) -> None:
+        if self.broken:
+            raise TensorParallelError(self.broken)
+        if self.group is None:
+            raise TensorParallelError("the tensor-parallel group is closed")
+
+    def stats(self) -> dict:
+        """Cumulative per-rank timings: seconds busy in forwards and KV copies, of which in all-reduce
+        (compute = busy - all-reduce), and all-reduce count; plus rank 0's forward count."""
+        self.check()
+        try:
+            self.group.send_command(STATS)
+            rows = self.group.gather_floats([self.busy_s, self.group.comm_s, float(self.group.reduces)])
+        except RuntimeError as e:
+            raise self.fail(e) from e
+        return dict(forwards=self.forwards, ranks=[dict(rank=r, busy_s=b, allreduce_s=c, allreduces=int(n))
+                                                   for r, (b, c, n) in enumerate(rows)])
+
+    # ---- shutdown ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.group is not None and not self.broken:
+            try:
+                self.group.send_command(SHUTDOWN)
+            except Exception:       # noqa: BLE001 - ranks may be gone already
+                pass
+        for p in self.procs.values():
+            if self.group is None or self.broken:       # never formed, or failed: nothing to wait for
+                p.kill()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _build_kernels_first(dtype: str, device) -> None:
+    """Compile (or load) the C++ kernels here before any rank starts: N processes finding no cached
+    build would each wait on the build lock, and a rank killed while it holds that lock (start-up
+    timeout) would leave it behind for every later process."""
+    if torch.device(device).type != "cpu" or dtype in ("float32", "fp32", "bfloat16", "bf16"):
+        return
+    from ssd.kernels.build import KernelBuildError, load_qgemm
+
+    try:
+        load_qgemm()
+    except KernelBuildError:
+        pass        # the model load reports it (or falls back) as without tensor parallelism
+
+
+def _close_ref(tp: TPTarget):
+    ref = weakref.ref(tp)
+
+    def close():
+        t = ref()
+        if t is not None:
+            t.close()
+    return close
+
+
+def _split(hostport: str) -> tuple[str, int]:
+    host, port = hostport.rsplit(":", 1)
+    return host, int(port)
+
+
+class TPModelRunner(ModelRunner):
+    """A ModelRunner over rank 0's shard whose forwards and KV copies run on every rank."""
+
+    def __init__(self, tp: TPTarget, model, num_blocks: int, block_size: int, device: torch.device):
+        super().__init__(model, num_blocks, block_size, device)
+        self.tp = tp
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        self.tp.check()
+        t0 = time.perf_counter()
+        try:
+            self.tp.group.send_command(FORWARD, encode_batch(batch.tokens, batch.positions, batch.query_lens,
+                                                             batch.ctx_slots))
+            return super().run(batch)
+        except RuntimeError as e:
+            raise self.tp.fail(e) from e
+        finally:
+            self.tp.busy_s += time.perf_counter() - t0
+            self.tp.forwards += 1
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.tp.check()
+        try:
+            src, dst = torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long)
+            self.tp.group.send_command(COPY, torch.cat([src.cpu(), dst.cpu()]))
+            super().copy_slots(src, dst)
+        except RuntimeError as e:
+            raise self.tp.fail(e) from e
