@@ -425,3 +425,29 @@ def test_ranks_exit_with_the_engine_process(folders, tmp_path):
         while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert all(_gone(pid) for pid in pids), (how, pids)
+
+
+def test_rank0_command_send_is_bounded_when_a_rank_is_not_listening():
+    """A gloo send completes only once the peer posts its receive: a rank stopped before it got back
+    to waiting for a command (a race the SIGSTOP test above can hit or miss) must not keep rank 0 in
+    the command broadcast for the idle timeout. Here rank 1 joins and never listens."""
+    import subprocess
+    import sys
+
+    from ssd.distributed.group import STATS, TPGroup, make_store
+    from ssd.speculation.worker.client import _child_env
+    from ssd.speculation.worker.transport import free_port
+
+    port = free_port()
+    code = ("import time; from ssd.distributed.group import TPGroup, make_store; "
+            f"g = TPGroup(make_store('127.0.0.1', {port}, 1, 2, 30), 1, 2, 2.0); time.sleep(60)")
+    peer = subprocess.Popen([sys.executable, "-c", code], env=_child_env())
+    try:
+        group = TPGroup(make_store("127.0.0.1", port, 0, 2, 30), 0, 2, 2.0)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):
+            group.send_command(STATS)
+        assert time.monotonic() - t0 < 10
+    finally:
+        peer.kill()
+        peer.wait()

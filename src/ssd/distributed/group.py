@@ -5,7 +5,9 @@ next to an SSD draft link or a second engine in one process):
 
 - `cmd`: rank 0 broadcasts the next command's header to the ranks. Idle ranks wait here for as
   long as the engine is idle, so its timeout is long; a dead rank 0 closes the sockets, which ends
-  that wait at once.
+  that wait at once. Rank 0's own wait for the header broadcast is bounded by `timeout_s` (a gloo
+  send completes only once every peer has posted its receive: a rank stopped before it got back to
+  waiting for a command would otherwise keep rank 0 waiting for the idle timeout).
 - `step`: the command's payload and the all-reduces of a forward, bounded by `timeout_s`: a rank
   that dies or hangs mid-step makes rank 0 fail in bounded time, never hang.
 
@@ -40,6 +42,7 @@ class TPGroup:
         self.cmd = dist.ProcessGroupGloo(dist.PrefixStore("tp-cmd", store), rank, world, IDLE_TIMEOUT)
         self.step = dist.ProcessGroupGloo(dist.PrefixStore("tp-step", store), rank, world,
                                           timedelta(seconds=timeout_s))
+        self.timeout = timedelta(seconds=timeout_s)
         self.comm_s = 0.0
         self.reduces = 0
         self.closed = False
@@ -58,7 +61,7 @@ class TPGroup:
     def send_command(self, kind: int, payload: torch.Tensor | None = None) -> None:
         """Rank 0: the header, then the int64 payload."""
         n = 0 if payload is None else payload.numel()
-        self.cmd.broadcast(torch.tensor([kind, n], dtype=torch.long), 0).wait()
+        self.cmd.broadcast(torch.tensor([kind, n], dtype=torch.long), 0).wait(self.timeout)
         if n:
             self.step.broadcast(payload.contiguous(), 0).wait()
 
