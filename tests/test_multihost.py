@@ -35,7 +35,7 @@ logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from ssd import LLM, SamplingParams
 target, draft, hosts, timeout = sys.argv[1], sys.argv[2], sys.argv[3].split(","), float(sys.argv[4])
 llm = LLM(target, draft=draft, mode="ssd", k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
-          worker_timeout_s=timeout, draft_host=hosts, threads=1)
+          worker_timeout_s=timeout, worker_start_timeout_s=timeout, draft_host=hosts, threads=1)
 prompts, params = json.loads(sys.argv[5]), SamplingParams(**json.loads(sys.argv[6]))
 kill_after = int(sys.argv[7])       # > 0: SIGKILL the first worker (pid from its Hello) after that many steps
 eng, steps = llm.engine, 0

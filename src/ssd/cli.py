@@ -58,6 +58,10 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
     g.add_argument("--saguaro-c", type=float, default=1.0, help="ssd: Saguaro sampling scale C in [0, 1]")
     g.add_argument("--backup", choices=["auto", "neural", "fast"], default="auto",
                    help="ssd: backup on a cache miss (auto: by batch size from measured times and hit rates)")
+    g.add_argument("--worker-timeout", type=float, default=60.0,
+                   help="ssd: seconds a draft worker may take to answer a message before it counts as failed")
+    g.add_argument("--worker-start-timeout", type=float, default=300.0,
+                   help="ssd: seconds a draft worker may take to start (join, load the draft) before start-up fails")
     g.add_argument("--auto-ssd", action="store_true",
                    help="auto: also start a draft worker and let auto run SSD stints where they measure faster "
                    "(the target takes the worker's cores back in the other rounds)")
@@ -103,6 +107,7 @@ def _llm(args, **extra):
                draft_cores=parse_cores(args.draft_cores), num_draft_workers=args.draft_workers,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
                saguaro_c=args.saguaro_c, backup=args.backup, auto_ssd=args.auto_ssd,
+               worker_timeout_s=args.worker_timeout, worker_start_timeout_s=args.worker_start_timeout,
                tensor_parallel_size=args.tensor_parallel_size, tp_host=args.tp_host, tp_timeout_s=args.tp_timeout,
                **extra)
 

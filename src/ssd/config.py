@@ -41,7 +41,9 @@ class EngineConfig:
     fanout_budget: int | None = None     # chains pre-drafted per sequence per round (None: sized online)
     saguaro_c: float = 1.0               # Saguaro sampling: weight of the cached top-F tokens in q' (1 = plain q)
     backup: str = "auto"                 # miss backup: auto (by batch size, measured) | neural | fast
-    worker_timeout_s: float = 60.0
+    worker_timeout_s: float = 60.0       # bound on every engine/worker message once the worker is up
+    worker_start_timeout_s: float = 300.0  # bound on a worker's start-up: process start or joining, loading the
+                                         # draft (minutes on a busy machine or for a big draft)
     auto_ssd: bool = False               # mode auto: also run a draft worker and let auto choose SSD stints
                                          # (the target takes the worker's cores back in the other rounds)
     # tensor-parallel target (CPU ranks over gloo; ssd/distributed, docs/ARCHITECTURE.md)
@@ -94,6 +96,8 @@ class EngineConfig:
             raise ValueError("tp_host waits for tensor-parallel ranks; it needs tensor_parallel_size > 1")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
+        if self.worker_timeout_s <= 0 or self.worker_start_timeout_s <= 0:
+            raise ValueError("worker_timeout_s and worker_start_timeout_s must be > 0")
         if self.prefill_threads is not None and self.prefill_threads < 1:
             raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")
 

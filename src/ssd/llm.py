@@ -64,7 +64,7 @@ class LLM:
         self.draft = None
         if cfg.mode == "ssd":
             draft_client = self._start_worker(target_runner)
-            self._clients = list(draft_client)
+            self._clients = _as_clients(draft_client)
         if cfg.mode not in ("ar", "ssd"):
             self.draft = load_cached(load_model, cfg.draft, self.draft_dtype, cfg.draft_device or cfg.device,
                                      cfg.max_model_len + 32,
@@ -77,7 +77,7 @@ class LLM:
         if cfg.mode == "auto" and cfg.auto_ssd:
             thread_split = self._auto_ssd_threads(cfg)
             draft_client = self._start_worker(target_runner)
-            self._clients = list(draft_client)
+            self._clients = _as_clients(draft_client)
         eos = list(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
@@ -85,8 +85,7 @@ class LLM:
                                 cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
                                 Tracer() if cfg.trace else None, cfg.spec_max_batch, thread_split)
         self.engine.prefill_threads = cfg.prefill_threads or (thread_split[1] if thread_split else None)
-        self._clients = [] if draft_client is None else list(draft_client) if isinstance(draft_client, list) \
-            else [draft_client]
+        self._clients = _as_clients(draft_client)
 
     @staticmethod
     def _ssd_cpu_split(cfg: EngineConfig) -> None:
@@ -192,7 +191,8 @@ class LLM:
                             target_runner.block_manager.num_blocks, cfg.block_size, self.max_model_len,
                             cfg.max_num_seqs, cfg.fanout_budget, cfg.saguaro_c, cfg.backup)
         return start_clients(wcfg, [dict(threads=cfg.draft_threads or 1, cores=c, device=device,
-                                          timeout_s=cfg.worker_timeout_s, listen=h) for c, h in zip(cores, listen)])
+                                          timeout_s=cfg.worker_timeout_s, start_timeout_s=cfg.worker_start_timeout_s,
+                                          listen=h) for c, h in zip(cores, listen)])
 
     @property
     def _client(self):
@@ -333,3 +333,8 @@ class LLM:
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.detok.text,
                              list(seq.output_token_ids), seq.finish_reason, RequestMetrics.of(seq), seq.spec,
                              None if seq.output_logprobs is None else list(seq.output_logprobs))
+
+
+def _as_clients(client) -> list:
+    """The draft-worker clients as a list (`_start_worker` returns one list; a test stand-in may be one client)."""
+    return [] if client is None else list(client) if isinstance(client, list) else [client]

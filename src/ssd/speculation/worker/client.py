@@ -40,7 +40,7 @@ class DraftClient:
             if cores:
                 cmd += ["--cores", ",".join(map(str, cores))]
             self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
-        start = max(start_timeout_s, timeout_s)
+        start = start_timeout_s
         self._join(host, port, start, timeout_s)
         self.chan.vocab = config.target_vocab
         self.chan.send(config)
