@@ -3,11 +3,13 @@
 The workers are started exactly as on a second host (`python -m ssd.cli draft-worker --connect
 ENGINE_IP:PORT`), the engine in the other namespace with draft_host. Checks: greedy output equals
 AR with two remote workers, also when one of them is killed mid-run; a worker that never joins is
-a clear error within bounded time, and the worker that did join is shut down.
+a clear error within bounded time, and the worker that did join is shut down. And a tensor-parallel
+target whose rank 1 runs in the other namespace (`python -m ssd.cli tp-rank --connect ...`).
 
 Why it needs the product's gloo address binding (transport.py): in a namespace the hostname still
 resolves to 127.0.0.1, so gloo's default device would advertise an address the peer cannot reach
-(without the binding the first test fails with "Connection refused, remote=[127.0.0.1]").
+(without the binding the first test fails with "Connection refused, remote=[127.0.0.1]"); the TP
+group binds the same way (distributed/group.py).
 
 Needs root and `ip netns`; skipped otherwise. The namespaces are always deleted afterwards.
 """
@@ -166,3 +168,41 @@ def test_a_worker_that_never_joins_is_a_clear_error_in_bounded_time(netns, tiny_
         assert joined.wait(30) == 0                  # the worker that joined was shut down, not left waiting
     finally:
         _stop(engine, joined)
+
+
+TP_ENGINE_SCRIPT = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from ssd import LLM, SamplingParams
+target, host = sys.argv[1], sys.argv[2]
+llm = LLM(target, dtype="float32", progress=False, kv_cache_gb=0.05, tensor_parallel_size=2, tp_host=host,
+          tp_timeout_s=90, threads=1)
+outs = llm.generate(json.loads(sys.argv[3]), SamplingParams(**json.loads(sys.argv[4])))
+print(json.dumps({"tokens": [o.token_ids for o in outs], "stats": llm.tensor_parallel_stats()}))
+llm.close()
+"""
+
+
+def test_tensor_parallel_rank_on_the_other_host(netns, tiny_pair, tmp_path, ar_ref):
+    """A TP=2 target whose rank 1 runs in the other namespace, started as on a second host
+    (`ssd tp-rank --connect ENGINE_IP:PORT`): greedy output equals the TP=1 (AR) reference, over the
+    real link (rank 1 reports its all-reduces), and rank 1 exits when the engine closes."""
+    ens, wns = netns
+    port = 29631
+    script = tmp_path / "tp_engine.py"
+    script.write_text(TP_ENGINE_SCRIPT)
+    engine = _in_ns(ens, [sys.executable, str(script), str(tiny_pair[0]), f"{ENGINE_IP}:{port}", json.dumps(PROMPTS),
+                          json.dumps(GREEDY)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank = _in_ns(wns, [sys.executable, "-m", "ssd.cli", "tp-rank", "--connect", f"{ENGINE_IP}:{port}", "--rank", "1",
+                        "--world-size", "2", "--model", str(tiny_pair[0]), "--threads", "1"],
+                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        out, err = engine.communicate(timeout=240)
+        assert engine.returncode == 0, err[-3000:]
+        res = json.loads(out.strip().splitlines()[-1])
+        assert res["tokens"] == ar_ref
+        ranks = {r["rank"]: r for r in res["stats"]["ranks"]}
+        assert ranks[1]["allreduces"] > 0
+        assert rank.wait(30) == 0
+    finally:
+        _stop(engine, rank)

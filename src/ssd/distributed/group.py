@@ -11,6 +11,10 @@ next to an SSD draft link or a second engine in one process):
 - `step`: the command's payload and the all-reduces of a forward, bounded by `timeout_s`: a rank
   that dies or hangs mid-step makes rank 0 fail in bounded time, never hang.
 
+Both groups bind gloo to the rank's address on the link (rank 0: the address it listens on; other
+ranks: their source address toward rank 0), as the draft-worker link does (transport.py): gloo's
+default, the hostname's address, is often 127.0.0.1, which another host cannot reach.
+
 Time spent in all-reduce is accumulated per rank (`comm_s`, `reduces`) for the bench.
 """
 from __future__ import annotations
@@ -36,12 +40,23 @@ def make_store(host: str, port: int, rank: int, world: int, timeout_s: float) ->
                          wait_for_workers=False)
 
 
+def _gloo(store: dist.Store, rank: int, world: int, timeout: timedelta, address: str | None):
+    if address is None:
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    from ssd.speculation.worker.transport import gloo_device
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [gloo_device(address)]
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
 class TPGroup:
-    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float):
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float, address: str | None = None):
+        """address: this rank's address on the link, for gloo to bind to (None: gloo's default)."""
         self.store, self.rank, self.world = store, rank, world
-        self.cmd = dist.ProcessGroupGloo(dist.PrefixStore("tp-cmd", store), rank, world, IDLE_TIMEOUT)
-        self.step = dist.ProcessGroupGloo(dist.PrefixStore("tp-step", store), rank, world,
-                                          timedelta(seconds=timeout_s))
+        self.cmd = _gloo(dist.PrefixStore("tp-cmd", store), rank, world, IDLE_TIMEOUT, address)
+        self.step = _gloo(dist.PrefixStore("tp-step", store), rank, world, timedelta(seconds=timeout_s), address)
         self.timeout = timedelta(seconds=timeout_s)
         self.comm_s = 0.0
         self.reduces = 0

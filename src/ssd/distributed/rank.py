@@ -84,7 +84,9 @@ def serve(host: str, port: int, rank: int, world: int, model: str | None = None,
         store.set(error_key(rank), f"{type(e).__name__}: {e}")
         raise
     store.set(ready_key(rank), str(os.getpid()))
-    group = TPGroup(store, rank, world, conf["timeout_s"])
+    from ssd.speculation.worker.transport import local_address
+
+    group = TPGroup(store, rank, world, conf["timeout_s"], local_address(host, port))
     reducer.group = group
     busy = 0.0
     log.info("tensor-parallel rank %d/%d is up (pid %d)", rank, world, os.getpid())

@@ -129,7 +129,7 @@ class TPTarget:
 
         def join():
             try:
-                self.group = TPGroup(self.store, 0, self.world, self.timeout_s)
+                self.group = TPGroup(self.store, 0, self.world, self.timeout_s, self.address.rsplit(":", 1)[0])
             except BaseException as e:  # noqa: BLE001 - reported below
                 err.append(e)
         t = threading.Thread(target=join, daemon=True)

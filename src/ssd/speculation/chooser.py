@@ -58,13 +58,15 @@ class CostModel:
     """Target forward time a + b R; draft time c per step + d per row + e per catch-up token (a draft
     that sat out plain rounds first feeds the tokens it missed). Fitted in units of the first measured
     target forward (so the priors below are relative): extra rows cost 10% of a step, a draft step 30%,
-    a draft row 3%, a catch-up token 10%."""
+    a draft row 3%, a catch-up token 2% (catching up is one batched draft forward over the missed
+    tokens, like a prefill; a 10% prior kept auto from ever drafting for short answers, so the term
+    was never measured)."""
 
 
     def __init__(self):
         self.unit: float | None = None
         self.target = RLS([1.0, 0.1])
-        self.draft = RLS([0.3, 0.03, 0.1])
+        self.draft = RLS([0.3, 0.03, 0.02])
 
     def target_s(self, rows: int) -> float:
         return max(self.target.predict([1.0, rows]), 1e-3)

@@ -74,12 +74,21 @@ class SpeculativeStep:
             self.proposer.prefill(seqs)
         except ProposerFailed as e:
             self._failed(e)
-        if self.worker is not None:
+        attach = self.worker is not None and self.regime.enabled and self.regime.current == WORKER
+        if attach:               # as in SSD: the worker prefills on its own cores while the target does
+            try:
+                self.worker.prefill(seqs)
+            except ProposerFailed as e:
+                self._worker_lost(e)
+                attach = False
+        if self.worker is not None and not attach:
             for s in seqs:       # the worker takes a sequence (with its whole context) when it first drafts for it
                 s.spec_state.detached = True
         with self.tracer.span("target", "prefill"):
             prefill_and_sample(self.target, seqs)
         self.proposer.after_prefill(seqs)
+        if attach:
+            self.worker.after_prefill(seqs)
 
     def _pick_proposer(self, seqs: list[Sequence]) -> Proposer:
         """auto_ssd: the regime of this round, with the target's threads to match."""
