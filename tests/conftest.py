@@ -112,3 +112,15 @@ def _free_engines_after_each_module():
     import gc
 
     gc.collect()
+
+
+def all_logits(lm, ids: list[int]) -> torch.Tensor:
+    """The target's logits at every position of `ids` (one forward over a scratch sequence)."""
+    from ssd.engine.model_runner import ForwardItem
+
+    runner = lm.engine.target
+    runner.block_manager.allocate(10_000, ids)
+    try:
+        return runner.forward([ForwardItem(10_000, ids, 0, len(ids))])[0]
+    finally:
+        runner.block_manager.free(10_000)

@@ -109,6 +109,21 @@ def random_regime(monkeypatch) -> None:
             new = WORKER if h % 2 else LOCAL
             self.switches += new != self.current
             self.current = new
-        self.rounds_by_regime[self.current] += 1
         return self.current
     monkeypatch.setattr(RegimePolicy, "pick", pick)
+
+
+def random_chooser(monkeypatch) -> None:
+    """mode auto: replace the chooser's plan by a pseudo-random one (a hash of sequence and round):
+    every round each sequence gets 0..cap draft tokens."""
+    import hashlib
+
+    from ssd.speculation.chooser import Chooser
+
+    def plan(self, seq_ids, caps, behind=None, remaining=None):
+        self.rounds += 1
+        out = [int(hashlib.blake2b(f"{i}:{self.rounds}".encode(), digest_size=2).hexdigest(), 16) % (c + 1)
+               for i, c in zip(seq_ids, caps)]
+        self.predicted_tokens, self.predicted_s = float(len(out)), 1.0
+        return out
+    monkeypatch.setattr(Chooser, "plan", plan)

@@ -330,3 +330,25 @@ def test_qwen_draft_cache_matches_transformers_gguf_loader():
     # and the bf16 rounding barely moves the model: same greedy tokens, small logit drift
     assert torch.equal(ours.argmax(-1), ref_fp32.argmax(-1))
     assert (ours - ref_fp32).abs().max() < 0.5
+
+
+def write_quantized_tiny_gguf(model, path: Path, qtype: str) -> Path:
+    """A tiny llama GGUF whose 2-D weights (not norms, width a multiple of 32) are stored as `qtype`."""
+    import gguf
+    import numpy as np
+
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    orig = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, tensor, *a, **k):
+        if tensor.ndim == 2 and tensor.shape[1] % 32 == 0 and "norm" not in name:
+            q = gguf.quants.quantize(np.ascontiguousarray(tensor, dtype=np.float32), qt)
+            return orig(self, name, q, raw_dtype=qt)
+        return orig(self, name, tensor, *a, **k)
+
+    gguf.GGUFWriter.add_tensor = add_tensor
+    try:
+        write_tiny_gguf(model, "llama", path, vocab=128)
+    finally:
+        gguf.GGUFWriter.add_tensor = orig
+    return path

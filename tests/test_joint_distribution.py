@@ -42,7 +42,7 @@ from ssd.layers.sampler import inverse_cdf_sample, logits_to_probs
 from ssd.speculation import verify as V
 
 from conftest import perturbed_copy
-from ssd_local import local_ssd, random_regime
+from ssd_local import local_ssd, random_chooser, random_regime
 
 TEMPERATURE, TOP_K, TOP_P = 0.8, 3, 0.8
 M = 6                     # tokens whose joint law is tested
@@ -356,18 +356,7 @@ def test_auto_switching_draft_lengths_every_round_keeps_the_joint_law(monkeypatc
     draft tokens (0 = a plain target step), so one batch mixes AR rows and speculative rows of every
     length and each sequence switches many times. The joint law of the first M tokens is the target's;
     the classic bug (resampling from p after a rejection) makes the same test fail."""
-    import hashlib
-
-    from ssd.speculation.chooser import Chooser
-
-    def plan(self, seq_ids, caps, behind=None, remaining=None):
-        self.rounds += 1
-        out = [int(hashlib.blake2b(f"{i}:{self.rounds}".encode(), digest_size=2).hexdigest(), 16) % (c + 1)
-               for i, c in zip(seq_ids, caps)]
-        self.predicted_tokens, self.predicted_s = float(len(out)), 1.0
-        return out
-
-    monkeypatch.setattr(Chooser, "plan", plan)
+    random_chooser(monkeypatch)
     if bug == "residual_is_p":
         monkeypatch.setattr(V, "residual", lambda p, q: p)
     before = torch.get_num_threads()
@@ -393,19 +382,9 @@ def test_auto_ssd_switching_regimes_keeps_the_joint_law(monkeypatch, tiny_pair, 
     breaks only SSD rounds: the verifier gets a uniform q instead of the q the worker sampled from
     (the draft's tokens then pass almost always). (Claiming one-hot q would not be a bug: conditional on the drawn token, a
     deterministic proposal verified exactly is exact.)"""
-    import hashlib
-
-    from ssd.speculation.chooser import Chooser
     from ssd.speculation.worker.proposer import WorkerProposer
 
-    def plan(self, seq_ids, caps, behind=None, remaining=None):
-        self.rounds += 1
-        out = [int(hashlib.blake2b(f"{i}:{self.rounds}".encode(), digest_size=2).hexdigest(), 16) % (c + 1)
-               for i, c in zip(seq_ids, caps)]
-        self.predicted_tokens, self.predicted_s = float(len(out)), 1.0
-        return out
-
-    monkeypatch.setattr(Chooser, "plan", plan)
+    random_chooser(monkeypatch)
     random_regime(monkeypatch)
     if bug == "worker_q_uniform":
         real = WorkerProposer.propose

@@ -2,7 +2,6 @@
 and a GGUF file with Q8_0/Q5_0/Q4_0/Q4_1 tensors loaded as stored."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -42,28 +41,14 @@ def test_gguf_low_bit_tensors_load_as_stored(qtype, tmp_path):
     """A tiny Llama GGUF (permuted Q/K, tied embeddings) with quantized linears: the native load
     runs the kernels and gives the same greedy tokens as a float model of the dequantized weights
     up to the activation rounding (checked by logits closeness)."""
-    import gguf
-    from test_gguf_convert import write_tiny_gguf
+    from test_gguf_convert import write_quantized_tiny_gguf
 
     from conftest import make_tiny_hf
     from ssd.engine.model_runner import ForwardItem
 
     model = make_tiny_hf("llama", tmp_path / "hf", vocab=128)
     path = tmp_path / "tiny.gguf"
-    qt = getattr(gguf.GGMLQuantizationType, qtype)
-    orig = gguf.GGUFWriter.add_tensor
-
-    def add_tensor(self, name, tensor, *a, **k):
-        if tensor.ndim == 2 and tensor.shape[1] % 32 == 0 and "norm" not in name:
-            q = gguf.quants.quantize(np.ascontiguousarray(tensor, dtype=np.float32), qt)
-            return orig(self, name, q, raw_dtype=qt)
-        return orig(self, name, tensor, *a, **k)
-
-    gguf.GGUFWriter.add_tensor = add_tensor
-    try:
-        write_tiny_gguf(model, "llama", path, vocab=128)
-    finally:
-        gguf.GGUFWriter.add_tensor = orig
+    write_quantized_tiny_gguf(model, path, qtype)
     low = LLM(str(path), progress=False)
     assert qtype in low.target.dtype_name
     ref = LLM(str(path), dtype="float32", progress=False)

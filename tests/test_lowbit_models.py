@@ -3,25 +3,16 @@ CPU path's SD equal to its AR."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ssd import LLM, SamplingParams
-from ssd.engine.model_runner import ForwardItem
 from ssd.models.registry import DEFAULT_DRAFT
+
+from conftest import all_logits
 
 pytestmark = pytest.mark.slow
 TEXT = ('def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n'
         '        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nThe capital of France is Paris. '
         'Explain in two sentences what a KV cache is and why it speeds up decoding.')
-
-
-def all_logits(lm: LLM, ids: list[int]) -> torch.Tensor:
-    runner = lm.engine.target
-    runner.block_manager.allocate(10_000, ids)
-    try:
-        return runner.forward([ForwardItem(10_000, ids, 0, len(ids))])[0]
-    finally:
-        runner.block_manager.free(10_000)
 
 
 def faithfulness(model: str) -> tuple[float, float, str]:

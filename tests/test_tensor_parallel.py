@@ -17,9 +17,8 @@ from ssd import LLM, SamplingParams
 from ssd.distributed.group import TensorParallelError, decode_batch, encode_batch
 from ssd.distributed.sharding import ShardingError, head_split, plan, split_even, split_units
 from ssd.distributed.target import rank_cores
-from ssd.engine.model_runner import ForwardItem
 
-from conftest import make_char_tokenizer, make_tiny_hf
+from conftest import all_logits, make_char_tokenizer, make_tiny_hf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["hello world", "def f(x):\n    return", "z" * 21]
@@ -104,15 +103,6 @@ def engines(folders):
     yield get
     for lm in made.values():
         lm.close()
-
-
-def all_logits(lm: LLM, ids: list[int]) -> torch.Tensor:
-    r = lm.engine.target
-    r.block_manager.allocate(10_000, ids)
-    try:
-        return r.forward([ForwardItem(10_000, ids, 0, len(ids))])[0]
-    finally:
-        r.block_manager.free(10_000)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -228,27 +218,10 @@ def test_shards_are_slices_of_the_whole_model_and_read_only_their_bytes(folders)
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    import gguf
-    from test_gguf_convert import write_tiny_gguf
+    from test_gguf_convert import write_quantized_tiny_gguf
 
     d = tmp_path_factory.mktemp("tp-gguf")
-    model = make_tiny_hf("llama", d / "hf", vocab=128)
-    path = d / "tiny.gguf"
-    qt = gguf.GGMLQuantizationType.Q8_0
-    orig = gguf.GGUFWriter.add_tensor
-
-    def add_tensor(self, name, tensor, *a, **k):
-        if tensor.ndim == 2 and tensor.shape[1] % 32 == 0 and "norm" not in name:
-            return orig(self, name, gguf.quants.quantize(np.ascontiguousarray(tensor, dtype=np.float32), qt),
-                        raw_dtype=qt)
-        return orig(self, name, tensor, *a, **k)
-
-    gguf.GGUFWriter.add_tensor = add_tensor
-    try:
-        write_tiny_gguf(model, "llama", path, vocab=128)
-    finally:
-        gguf.GGUFWriter.add_tensor = orig
-    return path
+    return write_quantized_tiny_gguf(make_tiny_hf("llama", d / "hf", vocab=128), d / "tiny.gguf", "Q8_0")
 
 
 def test_gguf_low_bit_tp2_equals_tp1(tiny_gguf):

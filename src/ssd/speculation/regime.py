@@ -35,7 +35,6 @@ class RegimePolicy:
         self.rate: dict[tuple[str, int], float] = {}     # (regime, bucket) -> tokens/s estimate
         self.seen: dict[tuple[str, int], int] = {}       # (regime, bucket) -> round it was last measured
         self.switches = 0
-        self.rounds_by_regime = {LOCAL: 0, WORKER: 0}
 
     def disable(self) -> None:
         """The worker failed: every later round is local."""
@@ -54,7 +53,6 @@ class RegimePolicy:
             if theirs is None or stale or mine is None or theirs > mine * (1 + self.hysteresis):
                 self.current = other
                 self.switches += 1
-        self.rounds_by_regime[self.current] += 1
         return self.current
 
     def observe(self, batch_size: int, tokens: int, seconds: float) -> None:
