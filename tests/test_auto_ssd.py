@@ -12,7 +12,7 @@ import pytest
 from ssd import LLM, SamplingParams
 from ssd.speculation.regime import LOCAL, WORKER, RegimePolicy, bucket
 
-from ssd_local import random_regime
+from ssd_local import random_chooser, random_regime
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = ["hello world", "abc", "def f(x):\n    return", "abab abab abab", "The quick brown fox"]
@@ -57,12 +57,35 @@ def test_hysteresis_keeps_a_regime_that_is_barely_slower():
     assert set(seq[8:]) == {LOCAL}
 
 
-def test_probes_the_other_regime_when_its_estimate_is_stale():
-    p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
-    seq = run(p, {WORKER: 10.0, LOCAL: 20.0}, 200)
-    probes = sum(1 for i in range(8, 200) if seq[i] == WORKER and seq[i - 1] == LOCAL)
-    assert 3 <= probes <= 8                           # roughly every probe_every rounds, a 4-round stint
-    assert seq.count(LOCAL) > 0.75 * len(seq)
+def probe_starts(seq: list[str], slow: str) -> list[int]:
+    return [i for i in range(8, len(seq)) if seq[i] == slow and seq[i - 1] != slow]
+
+
+def test_probes_the_other_regime_when_its_estimate_is_stale_backing_off_while_it_loses():
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=WORKER)
+    seq = run(p, {WORKER: 10.0, LOCAL: 20.0}, 600)
+    starts = probe_starts(seq, WORKER)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 3 and starts[0] < 60              # the first probe after about probe_every
+    assert all(g2 > 1.6 * g1 for g1, g2 in zip(gaps, gaps[1:]))   # every lost probe doubles the interval
+    assert seq.count(LOCAL) > 0.9 * len(seq)
+    # without backoff (max_probe_every = probe_every) probes stay about probe_every apart
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=32, start=WORKER)
+    starts = probe_starts(run(p, {WORKER: 10.0, LOCAL: 20.0}, 600), WORKER)
+    assert len(starts) >= 12 and max(b - a for a, b in zip(starts, starts[1:])) <= 44
+
+
+def test_a_probe_that_wins_resets_the_interval():
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=WORKER)
+    rates = {WORKER: 10.0, LOCAL: 20.0}
+    run(p, rates, 300)                                       # probes lost: the interval grew
+    assert p.interval[0] >= 128
+    rates[WORKER] = 40.0                                     # the worker becomes the faster regime
+    seq = run(p, rates, 400)
+    assert seq[-50:].count(WORKER) > 40                      # its next probe wins and it stays
+    won = seq.index(WORKER)
+    stay = won + seq[won:].index(LOCAL)                      # the first probe of local after the win
+    assert stay - won <= 32 + 3 * 4                          # came after the base interval again
 
 
 def test_batch_size_buckets_have_their_own_estimates():
@@ -90,8 +113,11 @@ def ar_ref(tiny_pair):
 def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tiny_pair, ar_ref):
     """SSD rounds and local rounds alternate at random, in a batch that grows and shrinks (different
     max_tokens, a late arrival): the worker is handed sequences back many times and the local draft
-    catches up after every SSD stint; every token equals AR's."""
+    catches up after every SSD stint; every token equals AR's. Draft lengths are random per sequence
+    and round in both regimes, so the worker serves shorter asks from longer pre-drafted chains, and
+    longer ones by finishing shorter chains."""
     random_regime(monkeypatch)
+    random_chooser(monkeypatch)
     target, draft = tiny_pair
     llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
               kv_cache_gb=0.05, worker_timeout_s=20)

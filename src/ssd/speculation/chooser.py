@@ -63,10 +63,10 @@ class CostModel:
     was never measured)."""
 
 
-    def __init__(self):
+    def __init__(self, draft_prior: tuple[float, float, float] = (0.3, 0.03, 0.02)):
         self.unit: float | None = None
         self.target = RLS([1.0, 0.1])
-        self.draft = RLS([0.3, 0.03, 0.02])
+        self.draft = RLS(list(draft_prior))
 
     def target_s(self, rows: int) -> float:
         return max(self.target.predict([1.0, rows]), 1e-3)
@@ -152,12 +152,18 @@ class AcceptanceEstimate:
 
 
 class Chooser:
-    def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int = 2):
+    """shares_acceptance: another chooser whose per-request acceptance estimates this one reads and
+    updates (auto_ssd: the chooser of worker rounds, whose "draft time" is the wait for the worker's
+    answer, learns its own costs but not a second copy of every request's acceptance)."""
+
+    def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int = 2,
+                 cost: CostModel | None = None, shares_acceptance: "Chooser | None" = None):
         self.k, self.hysteresis, self.probe_every = k, hysteresis, probe_every
         self.probe_behind = probe_behind      # probe only drafts at most this far behind (a probe is cheap)
-        self.cost = CostModel()
-        self.global_acc = AcceptanceEstimate(0.6, strength=4.0)
-        self.per_seq: dict[int, AcceptanceEstimate] = {}
+        self.cost = cost or CostModel()
+        other = shares_acceptance
+        self.global_acc = other.global_acc if other else AcceptanceEstimate(0.6, strength=4.0)
+        self.per_seq: dict[int, AcceptanceEstimate] = other.per_seq if other else {}
         self.last: dict[int, int] = {}
         self.rounds = 0
         self.predicted_tokens = 0.0     # of the last plan: expected tokens and predicted seconds

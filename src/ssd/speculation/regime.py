@@ -8,7 +8,9 @@ regime runs for a stint of `dwell` rounds, and a stint's rate (committed tokens 
 switching costs included: the worker catching up, the first rounds with nothing pre-drafted) updates
 that regime's estimate for the batch-size bucket it ran at. After a stint the policy switches when
 the other regime is estimated `hysteresis` faster, or when its estimate is missing or older than
-`probe_every` rounds (exploration). Exactness does not depend on any of this: every round is verified
+`probe_every` rounds (exploration). A probe that loses (the policy goes back) doubles that bucket's
+probe interval, up to `max_probe_every`; one that wins resets it: a stable winner pays for fewer and
+fewer probes, each of which costs a stint in the slower regime and two switches. Exactness does not depend on any of this: every round is verified
 by the same exact rejection sampling whichever proposer drafted it.
 """
 from __future__ import annotations
@@ -23,10 +25,13 @@ def bucket(batch_size: int) -> int:
 
 class RegimePolicy:
     def __init__(self, dwell: int = 16, probe_every: int = 128, hysteresis: float = 0.05, alpha: float = 0.5,
-                 start: str = WORKER):
-        if dwell < 1 or probe_every < dwell:
-            raise ValueError("dwell >= 1 and probe_every >= dwell are required")
+                 start: str = WORKER, max_probe_every: int = 1024):
+        if dwell < 1 or probe_every < dwell or max_probe_every < probe_every:
+            raise ValueError("dwell >= 1 and dwell <= probe_every <= max_probe_every are required")
         self.dwell, self.probe_every, self.hysteresis, self.alpha = dwell, probe_every, hysteresis, alpha
+        self.max_probe_every = max_probe_every
+        self.interval: dict[int, int] = {}               # bucket -> rounds between probes (backs off)
+        self._probing: int | None = None                 # bucket of the probe stint being run, if any
         self.current = start
         self.enabled = True              # False once the worker is gone: local from then on
         self.rounds = 0                  # rounds decided so far
@@ -49,8 +54,15 @@ class RegimePolicy:
             other = LOCAL if self.current == WORKER else WORKER
             b = bucket(batch_size)
             mine, theirs = self.rate.get((self.current, b)), self.rate.get((other, b))
-            stale = self.rounds - self.seen.get((other, b), -10**9) > self.probe_every
-            if theirs is None or stale or mine is None or theirs > mine * (1 + self.hysteresis):
+            better = mine is None or theirs is not None and theirs > mine * (1 + self.hysteresis)
+            if self._probing == b:       # the probe stint just measured: back off if it lost
+                base = self.probe_every
+                self.interval[b] = min(2 * self.interval.get(b, base), self.max_probe_every) if better else base
+            self._probing = None
+            stale = self.rounds - self.seen.get((other, b), -10**9) > self.interval.get(b, self.probe_every)
+            if better or theirs is None or stale:
+                if not better:
+                    self._probing = b
                 self.current = other
                 self.switches += 1
         return self.current

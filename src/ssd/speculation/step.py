@@ -22,7 +22,7 @@ from ssd.engine.ar import ARStep
 from ssd.engine.model_runner import ModelRunner
 from ssd.engine.sequence import Sequence
 from ssd.engine.step import prefill_and_sample
-from ssd.speculation.chooser import Chooser
+from ssd.speculation.chooser import Chooser, CostModel
 from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
 from ssd.speculation.regime import WORKER, RegimePolicy
 from ssd.speculation.stats import SpecCounters
@@ -52,10 +52,14 @@ class SpeculativeStep:
         self.worker: Proposer | None = None
         self.regime: RegimePolicy | None = None
         self.thread_split: tuple[int, int] | None = None      # (target threads: worker rounds, local rounds)
+        self.worker_chooser: Chooser | None = None
 
     def add_worker(self, worker: Proposer, regime: RegimePolicy, thread_split: tuple[int, int] | None) -> None:
         self.worker, self.regime, self.thread_split = worker, regime, thread_split
         self.counters.cover(self.k)
+        if self.chooser is not None:    # K per sequence in worker rounds too: there drafting costs the wait
+            self.worker_chooser = Chooser(self.k, cost=CostModel(draft_prior=(0.05, 0.0, 0.0)),
+                                          shares_acceptance=self.chooser)
 
     def num_draft(self, s: Sequence) -> int:
         """Draft tokens for this sequence this round: K, capped by the request (speculate, max_draft) and
@@ -125,15 +129,17 @@ class SpeculativeStep:
         local = proposer is self.proposer
         num_draft = [self.num_draft(s) for s in seqs]
         behind = proposer.behind(seqs)
-        if self.chooser is not None and local:
-            num_draft = self.chooser.plan([s.seq_id for s in seqs], num_draft, behind,
-                                          [s.remaining_tokens() for s in seqs])
-            if not any(num_draft):
+        chooser = self.chooser if local else self.worker_chooser
+        if chooser is not None:
+            num_draft = chooser.plan([s.seq_id for s in seqs], num_draft, behind, [s.remaining_tokens() for s in seqs])
+            if local and not any(num_draft):
                 return self._plain_round(seqs)
         t0 = time.perf_counter()
         proposal = None
         try:
-            if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch or not any(num_draft):
+            # a worker round with no draft asked still tells the worker the outcomes (it keeps the sequences)
+            asked_none = not any(num_draft) and chooser is None
+            if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch or asked_none:
                 proposer.skip(seqs)
             else:
                 proposal = proposer.propose(seqs, num_draft, self.last_verify_s)
@@ -157,12 +163,11 @@ class SpeculativeStep:
         self.last_verify_s = t2 - t1
         self._count(seqs, proposal, before, t1 - t0, t2 - t1)
         committed = sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before))
-        if self.chooser is not None and local:
+        if chooser is not None:
             sent = [len(d) for d in proposal.tokens]
-            self.counters.record_choice(sent, self.chooser.predicted_tokens, self.chooser.predicted_s,
-                                        committed, t2 - t0)
+            self.counters.record_choice(sent, chooser.predicted_tokens, chooser.predicted_s, committed, t2 - t0)
             caught_up = sum(t for t, k in zip(behind, sent) if k > 0)
-            self.chooser.observe([s.seq_id for s in seqs], sent, accepted, t1 - t0, t2 - t1, caught_up)
+            chooser.observe([s.seq_id for s in seqs], sent, accepted, t1 - t0, t2 - t1, caught_up)
         proposer.observe(seqs, lens, accepted, proposal)
         if self.regime is not None:
             if not local:
@@ -208,8 +213,9 @@ class SpeculativeStep:
                 c.record_lookup(st.accepted, src == Source.CACHE, len(s.output_token_ids) - b0)
 
     def release(self, seq: Sequence) -> None:
-        if self.chooser is not None:
-            self.chooser.forget(seq.seq_id)
+        for chooser in (self.chooser, self.worker_chooser):
+            if chooser is not None:
+                chooser.forget(seq.seq_id)
         try:
             self.proposer.release(seq)
         except ProposerFailed as e:

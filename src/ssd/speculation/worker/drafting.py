@@ -141,7 +141,7 @@ class Drafter:
         has no room for its speculation is left out (it is not pre-drafted this round: a miss)."""
         items, idx, done = [], [], []
         for s in seqs:
-            missing = [j for j in range(self.k + 1) if j not in s.dists]
+            missing = [j for j in range(len(s.spec) + 1) if j not in s.dists]
             if not missing:
                 done.append(s)
                 continue

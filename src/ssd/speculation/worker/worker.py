@@ -123,13 +123,16 @@ class DraftWorker:
                 continue
             s = self.seqs[r.seq_id]
             rnd = s.round
-            chain = self.cache.get(s.seq_id, rnd, r.accepted, r.bonus) if r.num_draft == self.k else None
-            full = chain is not None and chain.complete
+            # a pre-drafted chain serves any shorter ask too: its first n tokens are an n-token chain
+            chain = self.cache.get(s.seq_id, rnd, r.accepted, r.bonus) if r.num_draft else None
+            full = chain is not None and len(chain.tokens) >= r.num_draft
             self._observe_outcome(s, r, full)
             self._commit_outcome(s, r.accepted, r.bonus)
-            if full and self._adopt(s, chain):
+            if full and self._adopt(s, chain, r.num_draft):
                 s.source = "cache"
-                replies.append(Reply(s.seq_id, Source.CACHE, chain.tokens, chain.probs_tensor()))
+                n = r.num_draft
+                replies.append(Reply(s.seq_id, Source.CACHE, chain.tokens[:n],
+                                     torch.stack(chain.probs[:n]) if chain.probs else None))
             elif r.num_draft == 0:
                 s.spec, s.dists = [], {}
                 replies.append(Reply(s.seq_id, Source.NONE, []))
@@ -201,11 +204,12 @@ class DraftWorker:
         s.cached = keep
         self.bm.commit(s.seq_id, s.ctx[:keep])
 
-    def _adopt(self, s: WorkerSeq, chain) -> bool:
-        """Make a pre-drafted chain the sequence's speculation: copy its KV (bonus + all but its last
-        token) into the sequence's cache instead of recomputing it. False: no room for it."""
+    def _adopt(self, s: WorkerSeq, chain, n: int | None = None) -> bool:
+        """Make a pre-drafted chain (its first n tokens; all by default) the sequence's speculation:
+        copy its KV (bonus + all but its last token) into the sequence's cache instead of recomputing
+        it. False: no room for it."""
         base = len(s.ctx) - 1               # position of the bonus token
-        n = len(chain.tokens)
+        n = len(chain.tokens) if n is None else min(n, len(chain.tokens))
         if s.cached == base and n:
             try:
                 self.bm.append(s.seq_id, max(0, base + n - self.bm.num_tokens(s.seq_id)))
@@ -214,20 +218,23 @@ class DraftWorker:
             dst = block_slots(self.bm.block_table(s.seq_id), self.bm.block_size, base + n)[base:]
             self.runner.copy_slots(self.cache.region_slots(chain.region)[:n], dst)
             s.cached = base + n
-        s.spec = list(chain.tokens)
-        s.dists = dict(enumerate(chain.ranking))
+        s.spec = list(chain.tokens[:n])
+        s.dists = dict(enumerate(chain.ranking[:n]))
         return True
 
     # ---- pre-drafting -------------------------------------------------------------------------
-    def plan(self, budget: int) -> list[int]:
-        """Fan-out per accepted length for a per-sequence budget (geometric, from the measured a and r)."""
+    def plan(self, budget: int, num_draft: int | None = None) -> list[int]:
+        """Fan-out per accepted length 0..num_draft (default K) for a per-sequence budget (geometric,
+        from the measured a and r)."""
         a = min(max(self.acceptance.rate, 0.02), 0.98)
-        return geometric_fanout(a, self.miss_curve.r, self.k, budget)
+        return geometric_fanout(a, self.miss_curve.r, self.k if num_draft is None else num_draft, budget)
 
     def predraft(self, poll=None) -> int:
         """Fill the speculation cache of every sequence for its likely outcomes. Returns chains built."""
         t0 = time.perf_counter()
-        seqs = [s for s in self.seqs.values() if len(s.spec) == self.k and not self.cache.has_round(s.seq_id, s.round)]
+        # every sequence with a speculation out (of its own length: auto may ask for less than K); its
+        # chains are drafted at that length, the length the next round most likely asks for
+        seqs = [s for s in self.seqs.values() if s.spec and not self.cache.has_round(s.seq_id, s.round)]
         if not seqs:
             return 0
         seqs = self.drafter.catch_up(seqs)
@@ -237,9 +244,10 @@ class DraftWorker:
         per_seq = self.budget.budget(len(seqs), cap)
         jobs = []
         for s in seqs:
-            ranked = ranked_tokens(torch.stack([s.dists[j] for j in range(self.k + 1)]), per_seq + 1)
-            for accepted, bonus in candidate_outcomes(s.spec, ranked, self.plan(per_seq)):
-                jobs.append(Job(s, s.round, accepted, bonus, len(s.ctx) + accepted, self.k))
+            n = len(s.spec)
+            ranked = ranked_tokens(torch.stack([s.dists[j] for j in range(n + 1)]), per_seq + 1)
+            for accepted, bonus in candidate_outcomes(s.spec, ranked, self.plan(per_seq, n)):
+                jobs.append(Job(s, s.round, accepted, bonus, len(s.ctx) + accepted, n))
         jobs = jobs[:self.cache.free_regions]
         if not jobs:
             return 0
