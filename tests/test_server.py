@@ -577,3 +577,44 @@ def test_auto_server_explains_its_choices(tiny_pair, ref):
         assert sum(metric(srv, "ssd_auto_rows_total", num_draft=str(j)) for j in range(4)) == sum(stats.rows_by_num_draft)
         assert metric(srv, "ssd_auto_predicted_tokens_per_second") == pytest.approx(d["auto_predicted_tokens_per_s"])
         assert metric(srv, "ssd_auto_measured_tokens_per_second") == pytest.approx(d["auto_measured_tokens_per_s"])
+        for name in ("ssd_auto_worker_rounds_total", "ssd_auto_regime_switches_total", "ssd_draft_worker_lost_total"):
+            assert metric(srv, name) == 0                     # no draft worker without auto_ssd
+
+
+def test_auto_ssd_server_counts_worker_rounds_switches_and_a_lost_worker(monkeypatch, tiny_pair, ref):
+    """auto_ssd (regimes chosen at random): the Prometheus counters of SSD rounds, regime switches
+    and lost workers agree with the engine's, before and after the worker is killed."""
+    import os
+    import signal
+
+    from ssd_local import random_regime
+
+    random_regime(monkeypatch)
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=10)
+    names = {"ssd_auto_worker_rounds_total": "worker_rounds", "ssd_auto_regime_switches_total": "regime_switches",
+             "ssd_draft_worker_lost_total": "worker_lost"}
+    try:
+        with BackgroundServer(build_app(llm)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            name = client.models.list().data[0].id
+
+            def ask(prompt):
+                r = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0,
+                                              extra_body=NO_EOS)
+                assert r.choices[0].text == ref.generate(prompt, greedy(16))[0].text
+            for prompt in PROMPTS[:2]:
+                ask(prompt)
+            wait_idle(srv)
+            m = llm.engine.spec_metrics()
+            assert m.worker_rounds > 0 and m.regime_switches > 0 and m.worker_lost == 0
+            assert {k: metric(srv, k) for k in names} == {k: getattr(m, v) for k, v in names.items()}
+            os.kill(llm._client.pid, signal.SIGKILL)
+            ask(PROMPTS[2])
+            wait_idle(srv)
+            m = llm.engine.spec_metrics()
+            assert m.worker_lost == 1
+            assert {k: metric(srv, k) for k in names} == {k: getattr(m, v) for k, v in names.items()}
+    finally:
+        llm.close()

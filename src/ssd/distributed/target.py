@@ -22,6 +22,7 @@ from ssd.distributed.group import (COPY, FORWARD, SHUTDOWN, STATS, TensorParalle
                                    make_store)
 from ssd.distributed.rank import CONFIG_KEY, KV_KEY, Reducer, error_key, ready_key
 from ssd.distributed.sharding import split_even
+from ssd.engine.childlog import LoggedChild
 from ssd.engine.model_runner import ModelRunner, StepBatch
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class TPTarget:
         from ssd.models.loader import load_model
 
         self.world, self.timeout_s = world, timeout_s
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, LoggedChild] = {}
         self.group: TPGroup | None = None
         self.broken: str | None = None
         self._closed = False
@@ -92,7 +93,7 @@ class TPTarget:
             cmd += ["--threads", str(threads or len(cores))]
         from ssd.speculation.worker.client import _child_env
 
-        return subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
+        return LoggedChild(cmd, f"ssd.child.tp_rank{rank}", env=_child_env())
 
     # ---- start-up ----------------------------------------------------------------------------------
     def runner(self, num_blocks: int, block_size: int, device) -> "TPModelRunner":
@@ -149,7 +150,7 @@ class TPTarget:
     def _check_procs(self, when: str) -> None:
         for r, p in self.procs.items():
             if p.poll() is not None:
-                tail = p.stderr.read().decode(errors="replace")[-2000:] if p.stderr else ""
+                tail = p.tail()
                 raise TensorParallelError(f"tensor-parallel rank {r} (pid {p.pid}) exited {when} with code "
                                           f"{p.returncode}:\n{tail}")
 

@@ -3,14 +3,18 @@
 The first call compiles `qgemm.cpp`, `attention.cpp` and `fused.cpp` (about a minute on 2 cores); later processes load the cached
 shared object. The cache lives under the model cache (`$SSD_CACHE_DIR` or ~/.cache/ssd), in a
 folder named after the source's hash and the torch version, so an edit or a torch upgrade
-rebuilds. `make` builds it up front (scripts/build_kernels.py).
+rebuilds. `make` builds it up front (scripts/build_kernels.py). One process at a time builds or
+loads a folder (an flock, see _sole_builder); a build killed midway does not block the next one.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -19,6 +23,9 @@ _SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "attention.cpp", 
 _HEADERS = [Path(__file__).with_name("common.h")]
 _LOCK = threading.Lock()
 _MODULE = None
+TORCH_LOCK = "lock"              # torch's own lock file in the build folder (torch.utils.file_baton)
+BUILDER_LOCK = "builder.lock"    # ours, flocked: see _sole_builder
+LOCK_TIMEOUT_S = 600.0           # the longest wait for another process's build ($SSD_KERNEL_LOCK_TIMEOUT_S)
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512-vnni"}
 
 
@@ -51,19 +58,60 @@ def load_qgemm():
         _ninja_on_path()
         build = _build_dir()
         build.mkdir(parents=True, exist_ok=True)
-        fresh = not any(build.glob("*.so"))
-        if fresh:
-            log.info("compiling the low-bit CPU kernels into %s (once; about a minute)", build)
-        try:
-            _MODULE = cpp_extension.load(
-                name="ssd_qgemm", sources=[str(p) for p in _SOURCES], build_directory=str(build),
-                extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17"],
-                verbose=os.environ.get("SSD_KERNEL_VERBOSE") == "1")
-        except Exception as e:  # compiler missing, headers missing, ...
-            raise KernelBuildError(
-                f"could not build the low-bit CPU kernels ({type(e).__name__}: {e}); they need g++ and the "
-                "Python headers. Load the model with dtype='float16' or 'bfloat16' instead.") from e
+        with _sole_builder(build, float(os.environ.get("SSD_KERNEL_LOCK_TIMEOUT_S", LOCK_TIMEOUT_S))):
+            if not any(build.glob("*.so")):
+                log.info("compiling the low-bit CPU kernels into %s (once; about a minute)", build)
+            try:
+                _MODULE = cpp_extension.load(
+                    name="ssd_qgemm", sources=[str(p) for p in _SOURCES], build_directory=str(build),
+                    extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17"],
+                    verbose=os.environ.get("SSD_KERNEL_VERBOSE") == "1")
+            except Exception as e:  # compiler missing, headers missing, ...
+                raise KernelBuildError(
+                    f"could not build the low-bit CPU kernels ({type(e).__name__}: {e}); they need g++ and the "
+                    "Python headers. Load the model with dtype='float16' or 'bfloat16' instead.") from e
         return _MODULE
+
+
+@contextlib.contextmanager
+def _sole_builder(build: Path, timeout_s: float):
+    """Be the only ssd process in torch's loader for `build`, waiting at most timeout_s for another.
+
+    torch's loader takes the file `lock` in the build folder (torch.utils.file_baton: created with
+    O_EXCL, removed when the build ends) and, when it exists, waits without a bound for it to go. A
+    build killed midway leaves it behind and every later load hangs. So loads first take an flock on
+    `builder.lock`, which the OS releases when its holder dies, however it dies: once held, no other
+    ssd load is in torch's loader and a `lock` still there is stale, and is removed."""
+    path = build / BUILDER_LOCK
+    with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:
+        deadline, told = time.monotonic() + timeout_s, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "?"
+                if time.monotonic() > deadline:
+                    raise KernelBuildError(
+                        f"process {holder} has held the kernel build lock {path} for over {timeout_s:.0f}s: it is "
+                        "still building, or hung. Wait for it, or stop it (the lock goes with it); if it waits on "
+                        f"torch's lock {build / TORCH_LOCK} and no build is running, delete that file. "
+                        "$SSD_KERNEL_LOCK_TIMEOUT_S sets this bound") from None
+                if not told:
+                    log.info("waiting for process %s, which is building the low-bit CPU kernels in %s", holder, build)
+                    told = True
+                time.sleep(0.2)
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        stale = build / TORCH_LOCK
+        if stale.exists():
+            log.warning("removing the stale kernel build lock %s: the build that took it did not finish (killed?)",
+                        stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _ninja_on_path() -> None:

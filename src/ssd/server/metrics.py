@@ -87,6 +87,13 @@ class ServerMetrics:
                                     "its cost model predicted for the rounds it chose (since start)", registry=r)
         self.auto_measured = Gauge("ssd_auto_measured_tokens_per_second", "auto: committed tokens per second "
                                    "measured over the same rounds (since start)", registry=r)
+        # auto with a draft worker (auto_ssd): the regime policy's choices and a lost worker
+        self.auto_worker_rounds = Counter("ssd_auto_worker_rounds", "auto_ssd: decode rounds the draft worker "
+                                          "served (SSD rounds; the others used the in-process draft)", registry=r)
+        self.auto_regime_switches = Counter("ssd_auto_regime_switches", "auto_ssd: switches between SSD rounds "
+                                            "and rounds with the in-process draft", registry=r)
+        self.auto_worker_lost = Counter("ssd_draft_worker_lost", "auto_ssd: the draft worker lost (1 once it "
+                                        "died or stopped answering; auto goes on with the in-process draft only)", registry=r)
         if mode == "auto" and k:
             for j in range(k + 1):
                 self.auto_rows.labels(num_draft=str(j))
@@ -173,6 +180,11 @@ class ServerMetrics:
         for j, n in enumerate(delta.rows_by_num_draft):
             if n > 0:
                 self.auto_rows.labels(num_draft=str(j)).inc(n)
+        for counter, n in ((self.auto_worker_rounds, delta.worker_rounds),
+                           (self.auto_regime_switches, delta.regime_switches),
+                           (self.auto_worker_lost, delta.worker_lost)):
+            if n > 0:
+                counter.inc(n)
         d = total.to_dict()
         for gauge, key in ((self.auto_predicted, "auto_predicted_tokens_per_s"),
                            (self.auto_measured, "auto_measured_tokens_per_s")):

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from ssd.engine.childlog import LoggedChild
 from ssd.speculation.worker import messages as m
 from ssd.speculation.worker.transport import Channel, free_port
 
@@ -39,7 +40,7 @@ class DraftClient:
                 cmd += ["--threads", str(threads)]
             if cores:
                 cmd += ["--cores", ",".join(map(str, cores))]
-            self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=_child_env())
+            self.proc = LoggedChild(cmd, "ssd.child.draft_worker", env=_child_env())
         start = start_timeout_s
         self._join(host, port, start, timeout_s)
         self.chan.vocab = config.target_vocab
@@ -98,7 +99,7 @@ class DraftClient:
 
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            tail = self.proc.stderr.read().decode(errors="replace")[-2000:]
+            tail = self.proc.tail()
             raise DraftWorkerError(f"the draft worker exited during start-up (code {self.proc.returncode}):\n{tail}")
 
     def add(self, msg: m.Add) -> None:
