@@ -15,7 +15,7 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.distributed.group import TensorParallelError, decode_batch, encode_batch
-from ssd.distributed.sharding import ShardingError, head_split, plan, split_even, split_units
+from ssd.distributed.sharding import ShardingError, head_split, plan, split_even, split_units, vocab_split
 from ssd.distributed.target import rank_cores
 
 from conftest import all_logits, make_char_tokenizer, make_tiny_hf
@@ -69,12 +69,30 @@ def test_head_split_replicates_kv_heads_beyond_their_count():
         plan(4, 2, 112, 3, 3)
 
 
+@pytest.mark.parametrize("vocab,world", [(128, 3), (151936, 3), (151665, 3), (7, 3), (3, 3), (10, 4), (5, 1)])
+def test_vocab_split_covers_every_row_once_evenly(vocab, world):
+    r = vocab_split(vocab, world)
+    assert len(r) == world and r[0][0] == 0 and r[-1][1] == vocab
+    assert all(a[1] == b[0] for a, b in zip(r, r[1:]))
+    sizes = [b - a for a, b in r]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_vocab_split_uneven_and_in_the_plan():
+    assert vocab_split(128, 3) == [(0, 43), (43, 86), (86, 128)]
+    assert vocab_split(151665, 3) == [(0, 50555), (50555, 101110), (101110, 151665)]
+    assert [plan(4, 2, 112, 3, r, vocab_size=128).vocab for r in range(3)] == vocab_split(128, 3)
+    with pytest.raises(ShardingError, match="vocabulary of 2 tokens cannot be split over 3 ranks"):
+        vocab_split(2, 3)
+
+
 def test_rank_cores_and_batch_encoding():
     assert rank_cores([5, 1, 2, 3], 2) == [[1, 2], [3, 5]]
     assert rank_cores([0], 2) is None
     slots = [torch.tensor([4, 5, 6]), torch.tensor([9])]
-    t, p, q, c = decode_batch(encode_batch([7, 8, 9], [1, 2, 0], [2, 1], slots))
-    assert (t, p, q) == ([7, 8, 9], [1, 2, 0], [2, 1]) and [x.tolist() for x in c] == [[4, 5, 6], [9]]
+    t, p, q, c, rows = decode_batch(encode_batch([7, 8, 9], [1, 2, 0], [2, 1], slots, [1, 2]))
+    assert (t, p, q, rows) == ([7, 8, 9], [1, 2, 0], [2, 1], [1, 2]) and [x.tolist() for x in c] == [[4, 5, 6], [9]]
+    assert decode_batch(encode_batch([7], [0], [1], [torch.tensor([3])]))[4] == []
 
 
 # ---- models and engines --------------------------------------------------------------------------
@@ -108,10 +126,13 @@ def engines(folders):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tp", [2, 3])
 def test_tp_logits_equal_tp1(engines, kind, tp):
-    """TP=3 splits 4 heads 1/1/2 over 2 KV heads (one replicated) and intermediate 112 as 38/37/37."""
+    """TP=3 splits 4 heads 1/1/2 over 2 KV heads (one replicated), intermediate 112 as 38/37/37 and
+    the vocabulary 128 as 43/43/42 (embedding and LM head; llama ties them, qwen2/qwen3 do not)."""
     ref = all_logits(engines(kind, 1), IDS)
-    got = all_logits(engines(kind, tp), IDS)
+    lm = engines(kind, tp)
+    got = all_logits(lm, IDS)
     assert got.shape == ref.shape
+    assert lm.target.model.vocab_rows == vocab_split(128, tp)[0]     # rank 0 holds its vocab rows only
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
@@ -122,7 +143,7 @@ def test_tp_greedy_generation_equals_tp1_ar(engines, tp):
     assert [o.token_ids for o in engines("qwen2", tp).generate(PROMPTS, GREEDY)] == ref
 
 
-def test_tp_stats_split_compute_and_all_reduce_per_rank(engines):
+def test_tp_stats_split_compute_and_collectives_per_rank(engines):
     from ssd.bench.runner import tp_run_stats
 
     lm = engines("qwen2", 2)
@@ -132,7 +153,8 @@ def test_tp_stats_split_compute_and_all_reduce_per_rank(engines):
     assert run["size"] == 2 and run["steps"] >= GREEDY.max_tokens
     layers = lm.target.config.num_layers
     for r in run["ranks"]:
-        assert r["allreduces"] == 2 * layers * run["steps"]        # o_proj and down, every layer, every step
+        assert r["allreduces"] == (2 * layers + 1) * run["steps"]   # embedding; o_proj and down, every layer
+        assert r["gathers"] == run["steps"]                          # the logits columns, every step
         assert 0 < r["allreduce_s"] <= r["busy_s"] and r["compute_s"] == r["busy_s"] - r["allreduce_s"]
         assert r["allreduce_ms_per_step"] > 0
     assert engines("qwen2", 1).tensor_parallel_stats() is None
@@ -181,13 +203,16 @@ def test_tp_float_backends_are_as_close_to_fp32_as_tp1(folders, engines, dtype):
 
 # ---- shard-wise loading ----------------------------------------------------------------------------
 
-def test_shards_are_slices_of_the_whole_model_and_read_only_their_bytes(folders):
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_shards_are_slices_of_the_whole_model_and_read_only_their_bytes(folders, kind):
+    """Every rank, rank 0 included, reads only its vocab rows of the embedding and the LM head (one
+    read when they are tied, as in the llama config)."""
     from ssd.models.loader import load_model
 
-    whole = load_model(folders["qwen2"], "float32", progress=False)
+    whole = load_model(folders[kind], "float32", progress=False)
     w1 = whole.model.layers[1]
     for rank in range(3):
-        part = load_model(folders["qwen2"], "float32", progress=False, shard=(rank, 3))
+        part = load_model(folders[kind], "float32", progress=False, shard=(rank, 3))
         s, lay = part.model.shard, part.model.layers[1]
         d = whole.config.head_dim
         q0, q1 = s.heads.q[0] * d, s.heads.q[1] * d
@@ -196,20 +221,25 @@ def test_shards_are_slices_of_the_whole_model_and_read_only_their_bytes(folders)
         hq, hkv = whole.config.num_heads * d, whole.config.num_kv_heads * d
         want = torch.cat([qkv[q0:q1], qkv[hq + k0:hq + k1], qkv[hq + hkv + k0:hq + hkv + k1]])
         assert torch.equal(lay.qkv.weight, want)
-        assert torch.equal(lay.qkv.bias, torch.cat([w1.qkv.bias[q0:q1], w1.qkv.bias[hq + k0:hq + k1],
-                                                    w1.qkv.bias[hq + hkv + k0:hq + hkv + k1]]))
+        if whole.config.attention_bias:
+            assert torch.equal(lay.qkv.bias, torch.cat([w1.qkv.bias[q0:q1], w1.qkv.bias[hq + k0:hq + k1],
+                                                        w1.qkv.bias[hq + hkv + k0:hq + hkv + k1]]))
         assert torch.equal(lay.o_proj.weight, w1.o_proj.weight[:, q0:q1])
         f0, f1, F = *s.ffn, whole.config.intermediate_size
         assert torch.equal(lay.gate_up.weight, torch.cat([w1.gate_up.weight[f0:f1], w1.gate_up.weight[F + f0:F + f1]]))
         assert torch.equal(lay.down.weight, w1.down.weight[:, f0:f1])
-        assert (part.model.lm_head is None) == (rank != 0)
-        # bytes read: the replicated embedding and norms, this rank's linear rows/columns, the head on rank 0
+        v0, v1 = s.vocab
+        assert s.vocab == vocab_split(whole.config.vocab_size, 3)[rank]
+        assert torch.equal(part.model.embed, whole.model.embed[v0:v1])
+        assert torch.equal(part.model.lm_head.weight, whole.model.lm_head.weight[v0:v1])
+        # bytes read: the replicated norms, this rank's linear rows/columns and vocab rows (embedding, head)
         cfg = whole.config
-        lin = (s.heads.num_q * d * (cfg.hidden_size + 1) + 2 * s.heads.num_kv * d * (cfg.hidden_size + 1)
+        b = 1 if cfg.attention_bias else 0
+        lin = (s.heads.num_q * d * (cfg.hidden_size + b) + 2 * s.heads.num_kv * d * (cfg.hidden_size + b)
                + s.heads.num_q * d * cfg.hidden_size + 3 * (f1 - f0) * cfg.hidden_size)
         norms = 2 * cfg.hidden_size
-        expect = 4 * (cfg.num_layers * (lin + norms) + cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
-                      + (cfg.vocab_size * cfg.hidden_size if rank == 0 else 0))
+        vocab = (1 if cfg.tie_word_embeddings else 2) * (v1 - v0) * cfg.hidden_size
+        expect = 4 * (cfg.num_layers * (lin + norms) + vocab + cfg.hidden_size)
         assert part.bytes_read == expect
         assert part.bytes_read < whole.bytes_read
 
@@ -234,6 +264,9 @@ def test_gguf_low_bit_tp2_equals_tp1(tiny_gguf):
     try:
         assert "Q8_0" in lm.target.dtype_name
         assert type(lm.target.model.layers[0].o_proj).__name__ == "QuantLinear"
+        model = lm.target.model             # rank 0: vocab rows [0, 64) of the tied Q8_0 embedding/head only
+        assert model.vocab_rows == (0, 64) and type(model.embed).__name__ == "QuantEmbedding"
+        assert model.embed.num_embeddings == 64
         got = all_logits(lm, IDS)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
         assert lm.generate(IDS[:5], GREEDY)[0].token_ids == ref_tokens

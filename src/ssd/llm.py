@@ -207,7 +207,8 @@ class LLM:
 
     def tensor_parallel_stats(self) -> dict | None:
         """Cumulative timings of a tensor-parallel target (None without one): rank 0's forward count and
-        per rank the seconds busy in forwards and KV copies and, of those, in all-reduce."""
+        per rank the seconds busy in forwards and KV copies and, of those, in collectives (all-reduces
+        and the vocab-parallel logits gathers)."""
         return None if self._tp is None else self._tp.stats()
 
     def close(self) -> None:

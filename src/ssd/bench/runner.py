@@ -290,8 +290,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         "tensor_parallel_size": cfg.tensor_parallel_size,
     }
     if cfg.tensor_parallel_size > 1:
-        config["tensor_parallel_note"] = ("target_weight_bytes_per_token counts rank 0's shard (with the LM head); "
-                                          "runs carry per-rank compute and all-reduce times")
+        config["tensor_parallel_note"] = ("target_weight_bytes_per_token counts rank 0's shard (with its vocab "
+                                          "rows of the LM head); runs carry per-rank compute and collective "
+                                          "(all-reduce and logits gather) times")
     if "ssd" in cfg.modes:
         config["ssd_target_threads"] = mode_threads(cfg, "ssd")
         config["ssd_draft_threads"] = cfg.ssd_options.get("draft_threads") or 1
@@ -425,13 +426,14 @@ def _finish_runs(cfg: BenchConfig, specs, entries, cells, load_s, config, bandwi
 
 
 def tp_run_stats(before: dict, after: dict) -> dict:
-    """Per-rank compute vs all-reduce time of one run (from two cumulative `tensor_parallel_stats`)."""
+    """Per-rank compute vs collective time (all-reduces and logits gathers, `allreduce_s`) of one run
+    (from two cumulative `tensor_parallel_stats`)."""
     steps = after["forwards"] - before["forwards"]
     ranks = []
     for b, a in zip(before["ranks"], after["ranks"]):
         busy, comm = a["busy_s"] - b["busy_s"], a["allreduce_s"] - b["allreduce_s"]
         ranks.append(dict(rank=a["rank"], busy_s=busy, allreduce_s=comm, compute_s=busy - comm,
-                          allreduces=a["allreduces"] - b["allreduces"],
+                          allreduces=a["allreduces"] - b["allreduces"], gathers=a["gathers"] - b["gathers"],
                           allreduce_ms_per_step=comm / steps * 1e3 if steps else None,
                           compute_ms_per_step=(busy - comm) / steps * 1e3 if steps else None))
     return dict(size=len(ranks), steps=steps, ranks=ranks)

@@ -8,14 +8,16 @@ next to an SSD draft link or a second engine in one process):
   that wait at once. Rank 0's own wait for the header broadcast is bounded by `timeout_s` (a gloo
   send completes only once every peer has posted its receive: a rank stopped before it got back to
   waiting for a command would otherwise keep rank 0 waiting for the idle timeout).
-- `step`: the command's payload and the all-reduces of a forward, bounded by `timeout_s`: a rank
-  that dies or hangs mid-step makes rank 0 fail in bounded time, never hang.
+- `step`: the command's payload, the all-reduces of a forward and the gather of the vocab-parallel
+  logits, bounded by `timeout_s`: a rank that dies or hangs mid-step makes rank 0 fail in bounded
+  time, never hang.
 
 Both groups bind gloo to the rank's address on the link (rank 0: the address it listens on; other
 ranks: their source address toward rank 0), as the draft-worker link does (transport.py): gloo's
 default, the hostname's address, is often 127.0.0.1, which another host cannot reach.
 
-Time spent in all-reduce is accumulated per rank (`comm_s`, `reduces`) for the bench.
+Time spent in collectives (all-reduces and logits gathers) is accumulated per rank (`comm_s`; counts
+`reduces`, `gathers`) for the bench.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class TPGroup:
         self.timeout = timedelta(seconds=timeout_s)
         self.comm_s = 0.0
         self.reduces = 0
+        self.gathers = 0
         self.closed = False
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +75,20 @@ class TPGroup:
         self.comm_s += time.perf_counter() - t0
         self.reduces += 1
         return t
+
+    def gather_columns(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Rank 0: every rank's `t` [N, widths[rank]] side by side, [N, sum(widths)] fp32; other
+        ranks: None. Padded to the widest slice on the wire (gloo gathers equal shapes)."""
+        t0 = time.perf_counter()
+        buf = t.new_zeros((t.shape[0], max(widths)), dtype=torch.float32)
+        buf[:, :t.shape[1]] = t
+        out = [torch.empty_like(buf) for _ in range(self.world)] if self.rank == 0 else []
+        self.step.gather(out, buf, 0, self.timeout).wait(self.timeout)
+        self.comm_s += time.perf_counter() - t0
+        self.gathers += 1
+        if self.rank != 0:
+            return None
+        return torch.cat([o[:, :w] for o, w in zip(out, widths)], dim=1)
 
     def send_command(self, kind: int, payload: torch.Tensor | None = None) -> None:
         """Rank 0: the header, then the int64 payload."""
@@ -108,23 +125,26 @@ class TPGroup:
                 pass
 
 
-def encode_batch(tokens, positions, query_lens, ctx_slots) -> torch.Tensor:
-    """One int64 tensor: [n, T, query_lens(n), ctx_lens(n), tokens(T), positions(T), slots...]."""
+def encode_batch(tokens, positions, query_lens, ctx_slots, logit_rows=()) -> torch.Tensor:
+    """One int64 tensor: [n, T, L, query_lens(n), ctx_lens(n), tokens(T), positions(T), logit_rows(L),
+    slots...]."""
     ctx = [torch.as_tensor(c, dtype=torch.long).reshape(-1) for c in ctx_slots]
-    head = torch.tensor([len(query_lens), len(tokens), *query_lens, *[len(c) for c in ctx], *tokens, *positions],
-                        dtype=torch.long)
+    head = torch.tensor([len(query_lens), len(tokens), len(logit_rows), *query_lens, *[len(c) for c in ctx],
+                         *tokens, *positions, *logit_rows], dtype=torch.long)
     return torch.cat([head, *ctx]) if ctx else head
 
 
 def decode_batch(t: torch.Tensor):
-    """-> (tokens, positions, query_lens, ctx_slots) as encode_batch took them."""
-    n, T = int(t[0]), int(t[1])
-    i = 2
+    """-> (tokens, positions, query_lens, ctx_slots, logit_rows) as encode_batch took them."""
+    n, T, L = int(t[0]), int(t[1]), int(t[2])
+    i = 3
     query_lens = t[i:i + n].tolist()
     ctx_lens = t[i + n:i + 2 * n].tolist()
     i += 2 * n
     tokens = t[i:i + T].tolist()
     positions = t[i + T:i + 2 * T].tolist()
     i += 2 * T
+    logit_rows = t[i:i + L].tolist()
+    i += L
     ctx_slots = list(t[i:].split(ctx_lens)) if n else []
-    return tokens, positions, query_lens, ctx_slots
+    return tokens, positions, query_lens, ctx_slots, logit_rows

@@ -1,6 +1,6 @@
 """A tensor-parallel rank 1..N-1: joins rank 0's store, loads its shard of the target, then runs the
-commands rank 0 broadcasts (forward one packed batch over its shard and KV heads, copy KV slots)
-until told to stop or rank 0 goes away.
+commands rank 0 broadcasts (forward one packed batch over its shard and KV heads and send rank 0 its
+vocab columns of the logits, copy KV slots) until told to stop or rank 0 goes away.
 
 Started by the engine (`python -m ssd.distributed.rank ...`), or by hand on another host:
 `ssd tp-rank --connect HOST:PORT --rank R --world-size N` (docs/ARCHITECTURE.md, "Tensor parallel target").
@@ -33,13 +33,17 @@ def error_key(rank: int) -> str:
 
 
 class Reducer:
-    """The model's all-reduce, bound to the group once it exists (the shard is loaded first)."""
+    """The model's collectives (all-reduce when called, `gather` of the logits columns), bound to the
+    group once it exists (the shard is loaded first)."""
 
     def __init__(self):
         self.group: TPGroup | None = None
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(t)
+
+    def gather(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        return self.group.gather_columns(t, widths)
 
 
 def pin(cores: list[int] | None, threads: int | None) -> None:
@@ -77,7 +81,7 @@ def serve(host: str, port: int, rank: int, world: int, model: str | None = None,
         dev = torch.device(device or conf["device"])
         reducer = Reducer()
         loaded = load_model(model or conf["model"], conf["dtype"], dev, conf["max_positions"], False,
-                            shard=(rank, world), reduce=reducer)
+                            shard=(rank, world), reduce=reducer, gather=reducer.gather)
         kv = json.loads(store.get(KV_KEY))
         runner = ModelRunner(loaded.model, kv["num_blocks"], kv["block_size"], dev)
     except Exception as e:
@@ -95,13 +99,16 @@ def serve(host: str, port: int, rank: int, world: int, model: str | None = None,
             kind, payload = group.recv_command()
             t0 = time.perf_counter()
             if kind == FORWARD:
-                tokens, positions, query_lens, ctx = decode_batch(payload)
-                runner.run(StepBatch(tokens, positions, query_lens, ctx, []))
+                tokens, positions, query_lens, ctx, rows = decode_batch(payload)
+                hidden = runner.run(StepBatch(tokens, positions, query_lens, ctx, rows))
+                if rows:
+                    with torch.inference_mode():
+                        runner.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
             elif kind == COPY:
                 src, dst = payload.chunk(2)
                 runner.copy_slots(src, dst)
             elif kind == STATS:
-                group.gather_floats([busy, group.comm_s, float(group.reduces)])
+                group.gather_floats([busy, group.comm_s, float(group.reduces), float(group.gathers)])
             elif kind == SHUTDOWN:
                 break
             else:

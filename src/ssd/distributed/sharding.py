@@ -1,5 +1,6 @@
-"""Pure split math for the tensor-parallel target: which heads, KV heads and intermediate columns
-each rank owns. No torch, no I/O: everything here is tested on its own (tests/test_tensor_parallel.py).
+"""Pure split math for the tensor-parallel target: which heads, KV heads, intermediate columns and
+vocabulary rows (embedding and LM head) each rank owns. No torch, no I/O: everything here is tested
+on its own (tests/test_tensor_parallel.py).
 
 Ranges are half-open (start, stop) pairs; splits are contiguous and as even as possible, the first
 ranks taking the extra unit.
@@ -38,6 +39,14 @@ def split_units(n: int, unit: int, parts: int, what: str = "dimension") -> list[
         raise ShardingError(f"{what}: {n} values are {units} quant block(s) of {unit}, too few for "
                             f"{parts} ranks; use tensor_parallel_size <= {units}")
     return [(a * unit, b * unit) for a, b in split_even(units, parts)]
+
+
+def vocab_split(vocab_size: int, world: int) -> list[Range]:
+    """The vocabulary rows of the embedding and LM head per rank: contiguous, as even as possible
+    (the first vocab_size % world ranks take one row more), none empty."""
+    if vocab_size < world:
+        raise ShardingError(f"a vocabulary of {vocab_size} tokens cannot be split over {world} ranks")
+    return split_even(vocab_size, world)
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,7 @@ class RankShard:
     world: int
     heads: HeadShard
     ffn: Range            # columns of the intermediate dimension (rows of gate/up, inputs of down)
+    vocab: Range          # rows of the embedding and the LM head (this rank's logits columns)
 
     @property
     def is_full(self) -> bool:
@@ -89,13 +99,15 @@ class RankShard:
 
 
 def plan(num_heads: int, num_kv_heads: int, intermediate: int, world: int, rank: int,
-         ffn_unit: int = 1) -> RankShard:
-    """This rank's shard; ffn_unit: the quant block of down_proj's input dimension (1 for floats)."""
+         ffn_unit: int = 1, vocab_size: int | None = None) -> RankShard:
+    """This rank's shard; ffn_unit: the quant block of down_proj's input dimension (1 for floats);
+    vocab_size: the rows of the embedding and LM head (None: vocab is the empty range)."""
     if not 0 <= rank < world:
         raise ShardingError(f"rank {rank} is outside [0, {world})")
     heads = head_split(num_heads, num_kv_heads, world)[rank]
     ffn = split_units(intermediate, ffn_unit, world, "intermediate size (mlp.down_proj input)")[rank]
-    return RankShard(rank, world, heads, ffn)
+    vocab = (0, 0) if vocab_size is None else vocab_split(vocab_size, world)[rank]
+    return RankShard(rank, world, heads, ffn, vocab)
 
 
 def check_row_split(bounds: Range, unit: int, what: str, hint: str) -> None:

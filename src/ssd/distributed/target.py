@@ -2,7 +2,8 @@
 form the group, and a ModelRunner that mirrors every forward and KV copy to the ranks.
 
 The scheduler, sampler, verifier and block manager stay on rank 0 and talk to `TPModelRunner`
-exactly as to a `ModelRunner`; logits exist on rank 0 only.
+exactly as to a `ModelRunner`; every rank computes the logits of its vocab rows, gathered on rank 0
+(logits exist on rank 0 only).
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class TPTarget:
                 torch.set_num_threads(threads)
             self._reducer = Reducer()
             self.loaded = load_model(spec, dtype, device, max_positions, progress, shard=(0, world),
-                                     reduce=self._reducer)
+                                     reduce=self._reducer, gather=self._reducer.gather)
         except BaseException:
             self.close()
             raise
@@ -171,16 +172,18 @@ class TPTarget:
             raise TensorParallelError("the tensor-parallel group is closed")
 
     def stats(self) -> dict:
-        """Cumulative per-rank timings: seconds busy in forwards and KV copies, of which in all-reduce
-        (compute = busy - all-reduce), and all-reduce count; plus rank 0's forward count."""
+        """Cumulative per-rank timings: seconds busy in forwards (logits included) and KV copies, of
+        which in collectives (`allreduce_s`: the all-reduces and the logits gathers; compute = busy -
+        that), the all-reduce and gather counts; plus rank 0's forward count."""
         self.check()
+        g = self.group
         try:
-            self.group.send_command(STATS)
-            rows = self.group.gather_floats([self.busy_s, self.group.comm_s, float(self.group.reduces)])
+            g.send_command(STATS)
+            rows = g.gather_floats([self.busy_s, g.comm_s, float(g.reduces), float(g.gathers)])
         except RuntimeError as e:
             raise self.fail(e) from e
-        return dict(forwards=self.forwards, ranks=[dict(rank=r, busy_s=b, allreduce_s=c, allreduces=int(n))
-                                                   for r, (b, c, n) in enumerate(rows)])
+        return dict(forwards=self.forwards, ranks=[dict(rank=r, busy_s=b, allreduce_s=c, allreduces=int(n),
+                                                        gathers=int(m)) for r, (b, c, n, m) in enumerate(rows)])
 
     # ---- shutdown ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -241,18 +244,25 @@ class TPModelRunner(ModelRunner):
         super().__init__(model, num_blocks, block_size, device)
         self.tp = tp
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def forward(self, items):
+        """The mirrored forward and the gather of the logits columns (ModelRunner.forward over `run`)."""
         self.tp.check()
         t0 = time.perf_counter()
         try:
-            self.tp.group.send_command(FORWARD, encode_batch(batch.tokens, batch.positions, batch.query_lens,
-                                                             batch.ctx_slots))
-            return super().run(batch)
+            return super().forward(items)
+        except TensorParallelError:
+            raise
         except RuntimeError as e:
             raise self.tp.fail(e) from e
         finally:
             self.tp.busy_s += time.perf_counter() - t0
             self.tp.forwards += 1
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Send the batch (with the rows whose logits rank 0 will ask for), then run rank 0's shard."""
+        self.tp.group.send_command(FORWARD, encode_batch(batch.tokens, batch.positions, batch.query_lens,
+                                                         batch.ctx_slots, batch.logit_rows))
+        return super().run(batch)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.tp.check()

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ssd.distributed.sharding import RankShard, check_row_split, plan
+from ssd.distributed.sharding import RankShard, check_row_split, plan, vocab_split
 from ssd.kernels.gguf_pack import QWeight
 from ssd.layers.attention import AttentionMetadata, paged_attention
 from ssd.layers.linear import Linear
@@ -123,23 +123,29 @@ def _plan_shard(cfg: ModelConfig, get: WeightGetter, rank: int, world: int) -> R
     unit = 1
     for i in range(cfg.num_layers):
         unit = math.lcm(unit, weight_block(get, f"model.layers.{i}.mlp.down_proj.weight"))
-    return plan(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, world, rank, unit)
+    return plan(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, world, rank, unit, cfg.vocab_size)
 
 
 class DecoderModel(nn.Module):
     """forward(tokens [T], positions [T], meta, kv caches) -> hidden [T, hidden]; logits(hidden) -> [N, vocab]."""
 
     def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, packed: str | None,
-                 max_positions: int, shard: tuple[int, int] | None = None, reduce: Callable | None = None):
-        """shard: (rank, world) of a tensor-parallel target; reduce: in-place sum over the ranks.
-        Every rank holds the embedding (replicated: a gather, no communication); only rank 0 holds
-        the final norm's consumer, the LM head (logits are wanted on rank 0 only)."""
+                 max_positions: int, shard: tuple[int, int] | None = None, reduce: Callable | None = None,
+                 gather: Callable | None = None):
+        """shard: (rank, world) of a tensor-parallel target; reduce: in-place sum over the ranks;
+        gather(t, widths): rank 0's logits from every rank's vocab columns (None on other ranks).
+        The embedding and LM head are vocab-parallel: each rank holds its rows of the vocabulary
+        (sharding.vocab_split); a lookup is masked to them and summed over ranks, and each rank's
+        logits for its rows are gathered on rank 0."""
         super().__init__()
         self.cfg = cfg
         self.packed = packed
         self.shard = None if shard is None else _plan_shard(cfg, get, *shard)
         self.kv_heads = cfg.num_kv_heads if self.shard is None else self.shard.heads.num_kv
-        self.has_head = self.shard is None or self.shard.rank == 0
+        split = self.shard is not None and not self.shard.is_full
+        self.vocab_rows = self.shard.vocab if split else None
+        self.vocab_widths = [b - a for a, b in vocab_split(cfg.vocab_size, self.shard.world)] if split else None
+        self.reduce, self.gather = (reduce, gather) if split else (None, None)
         self.dtype = torch.float32 if packed else dtype      # FBGEMM and GGUF kernels take fp32 activations
         # packed == "gguf": low-bit weights run in QuantLinear; float ones (F16/F32 tensors in a GGUF,
         # or types the kernel lacks) in FBGEMM fp16.
@@ -150,10 +156,12 @@ class DecoderModel(nn.Module):
                 return QuantLinear(w, b)
             return Linear(w, b, float_backend, self.dtype)
 
-        embed = get("model.embed_tokens.weight")
-        if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"embed_tokens has shape {tuple(embed.shape)}, config says "
-                             f"({cfg.vocab_size}, {cfg.hidden_size}): the weights do not match config.json")
+        embed = read_part(get, "model.embed_tokens.weight", self.vocab_rows)
+        rows = cfg.vocab_size if self.vocab_rows is None else self.vocab_rows[1] - self.vocab_rows[0]
+        if tuple(embed.shape) != (rows, cfg.hidden_size):
+            raise ValueError(f"embed_tokens (rows {self.vocab_rows or 'all'}) has shape {tuple(embed.shape)}, "
+                             f"config says ({rows}, {cfg.hidden_size}) of a vocabulary of {cfg.vocab_size}: the "
+                             "weights do not match config.json")
         # The embedding table is only gathered from, so it stays compact (bf16/fp16, or as stored in
         # the GGUF with rows dequantized on demand).
         if isinstance(embed, QWeight):
@@ -163,11 +171,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, get, make_linear, self.shard, reduce)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(get("model.norm.weight").to(self.dtype), cfg.rms_norm_eps)
-        if self.has_head:
-            head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
-            self.lm_head = make_linear(head, None)
-        else:
-            self.lm_head = None
+        head = embed if cfg.tie_word_embeddings else read_part(get, "lm_head.weight", self.vocab_rows)
+        self.lm_head = make_linear(head, None)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, self.dtype)
         for m in self.modules():
             if isinstance(m, RMSNorm):
@@ -184,17 +189,30 @@ class DecoderModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.embed(tokens) if isinstance(self.embed, QuantEmbedding) else self.embed[tokens].to(self.dtype)
+        x = self._embed(tokens)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kc, vc, meta)
         if self._fused_norm is not None:
             return self._fused_norm.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            raise RuntimeError("this tensor-parallel rank holds no LM head: logits are computed on rank 0")
-        return self.lm_head(hidden).float()
+    def _lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) if isinstance(self.embed, QuantEmbedding) else self.embed[tokens].to(self.dtype)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel: this rank's rows, zeros for the others' tokens, summed over ranks (exact:
+        one rank contributes each row)."""
+        if self.vocab_rows is None:
+            return self._lookup(tokens)
+        v0, v1 = self.vocab_rows
+        mine = (tokens >= v0) & (tokens < v1)
+        x = self._lookup(torch.where(mine, tokens - v0, 0)).masked_fill(~mine.unsqueeze(-1), 0)
+        return self.reduce(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, vocab] float32; with a vocab-parallel head, on rank 0 only (None on the other ranks)."""
+        out = self.lm_head(hidden).float()
+        return out if self.gather is None else self.gather(out, self.vocab_widths)
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights read by one decode step (the memory-bandwidth bound's numerator)."""

@@ -228,9 +228,10 @@ def load_tokenizer(path: Path):
 
 def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device = "cpu",
                max_positions: int | None = None, progress: bool = True, shard=None,
-               reduce=None) -> LoadedModel:
+               reduce=None, gather=None) -> LoadedModel:
     """shard: (rank, world) of a tensor-parallel target (None: the whole model); reduce: the
-    in-place sum over ranks of the row-parallel layers' partial outputs (ssd/distributed)."""
+    in-place sum over ranks (row-parallel layers, the vocab-parallel embedding); gather: rank 0's
+    logits from every rank's vocab columns (ssd/distributed)."""
     from ssd.models.registry import resolve_model
 
     device = torch.device(device)
@@ -247,7 +248,7 @@ def load_model(spec: str | Path, dtype: str = "auto", device: str | torch.device
         get, td, packed = low_bit, torch.float32, "gguf"
     max_pos = max_positions or cfg.max_position_embeddings
     with torch.device(device) if device.type != "cpu" else _nullctx():
-        model = DecoderModel(cfg, OnDevice(get, device), td, packed, max_pos, shard, reduce)
+        model = DecoderModel(cfg, OnDevice(get, device), td, packed, max_pos, shard, reduce, gather)
     model.eval()
     tok = load_tokenizer(path)
     name = {"fp16": "float16 (FBGEMM, fp32 activations)", "int8": "int8 (FBGEMM, per-row weights, dynamic "
