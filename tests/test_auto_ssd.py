@@ -88,6 +88,19 @@ def test_a_probe_that_wins_resets_the_interval():
     assert stay - won <= 32 + 3 * 4                          # came after the base interval again
 
 
+def test_a_probe_stint_says_how_many_rounds_it_has_left():
+    """The local chooser must not invest in a catch-up during a probe it will likely leave."""
+    p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
+    run(p, {WORKER: 20.0, LOCAL: 10.0}, 4)
+    assert p.probe_rounds_left() is None                  # the first stint is not a probe
+    assert p.pick(1) == LOCAL                             # local is unmeasured: a probe
+    assert p.probe_rounds_left() == 4
+    p.observe(1, 10, 1.0)
+    assert p.probe_rounds_left() == 3
+    run(p, {WORKER: 20.0, LOCAL: 10.0}, 3)
+    assert p.pick(1) == WORKER and p.probe_rounds_left() is None   # it lost: back, not a probe
+
+
 def test_batch_size_buckets_have_their_own_estimates():
     p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
     run(p, {WORKER: 10.0, LOCAL: 20.0}, 16, batch=1)

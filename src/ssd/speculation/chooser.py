@@ -63,15 +63,18 @@ class CostModel:
     was never measured)."""
 
 
-    def __init__(self, draft_prior: tuple[float, float, float] = (0.3, 0.03, 0.02)):
+    def __init__(self, free_draft: bool = False):
         self.unit: float | None = None
         self.target = RLS([1.0, 0.1])
-        self.draft = RLS(list(draft_prior))
+        self.draft = RLS([0.3, 0.03, 0.02])
+        self.free_draft = free_draft     # drafting costs nothing (SSD: the worker drafts during the verify)
 
     def target_s(self, rows: int) -> float:
         return max(self.target.predict([1.0, rows]), 1e-3)
 
     def draft_s(self, num_draft: list[int], catch_up: float = 0.0) -> float:
+        if self.free_draft:
+            return 0.0
         steps = max(num_draft, default=0)
         return max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) if steps else 0.0
 
@@ -86,7 +89,7 @@ class CostModel:
         self.target.update([1.0, rows], seconds / self.unit)
 
     def observe_draft(self, num_draft: list[int], seconds: float, catch_up: int = 0) -> None:
-        if max(num_draft, default=0) and self.unit is not None:
+        if max(num_draft, default=0) and self.unit is not None and not self.free_draft:
             self.draft.update([max(num_draft), sum(num_draft), catch_up], seconds / self.unit)
 
 
@@ -153,8 +156,8 @@ class AcceptanceEstimate:
 
 class Chooser:
     """shares_acceptance: another chooser whose per-request acceptance estimates this one reads and
-    updates (auto_ssd: the chooser of worker rounds, whose "draft time" is the wait for the worker's
-    answer, learns its own costs but not a second copy of every request's acceptance)."""
+    updates (auto_ssd: the chooser of worker rounds fits its own verify costs, with the target on
+    fewer cores, but not a second copy of every request's acceptance)."""
 
     def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int = 2,
                  cost: CostModel | None = None, shares_acceptance: "Chooser | None" = None):

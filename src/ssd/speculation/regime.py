@@ -67,6 +67,11 @@ class RegimePolicy:
                 self.switches += 1
         return self.current
 
+    def probe_rounds_left(self) -> int | None:
+        """Rounds left in the current stint if it is a probe (it will most likely be left after them),
+        else None: a probe should not invest in what pays only later (the local draft's catch-up)."""
+        return None if self._probing is None else max(self.dwell - self._stint, 1)
+
     def observe(self, batch_size: int, tokens: int, seconds: float) -> None:
         """The round just run (in `self.current`) committed `tokens` in `seconds`."""
         acc = self._acc.setdefault(bucket(batch_size), [0.0, 0.0])

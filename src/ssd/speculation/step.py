@@ -57,8 +57,13 @@ class SpeculativeStep:
     def add_worker(self, worker: Proposer, regime: RegimePolicy, thread_split: tuple[int, int] | None) -> None:
         self.worker, self.regime, self.thread_split = worker, regime, thread_split
         self.counters.cover(self.k)
-        if self.chooser is not None:    # K per sequence in worker rounds too: there drafting costs the wait
-            self.worker_chooser = Chooser(self.k, cost=CostModel(draft_prior=(0.05, 0.0, 0.0)),
+        if self.chooser is not None:
+            # K per sequence in worker rounds too, trading tokens against verify rows only: the worker
+            # drafts while the target verifies. Its wait is not modelled: it depends on whether the
+            # last round speculated (a cache hit needs a speculation out), and fitting it per round
+            # taught a chooser that drafting after a plain round is slow, so it stayed plain. A change
+            # of K costs cache hits (chains are pre-drafted at the last length): 10% hysteresis
+            self.worker_chooser = Chooser(self.k, hysteresis=0.1, probe_every=10**9, cost=CostModel(free_draft=True),
                                           shares_acceptance=self.chooser)
 
     def num_draft(self, s: Sequence) -> int:
@@ -131,15 +136,19 @@ class SpeculativeStep:
         behind = proposer.behind(seqs)
         chooser = self.chooser if local else self.worker_chooser
         if chooser is not None:
-            num_draft = chooser.plan([s.seq_id for s in seqs], num_draft, behind, [s.remaining_tokens() for s in seqs])
+            caps, remaining = num_draft, [s.remaining_tokens() for s in seqs]
+            left = self.regime.probe_rounds_left() if self.regime is not None and local else None
+            if left is not None:     # a probe of the local regime: a catch-up must pay off within it
+                remaining = [min(r, left) for r in remaining]
+            num_draft = chooser.plan([s.seq_id for s in seqs], caps, behind, remaining)
             if local and not any(num_draft):
                 return self._plain_round(seqs)
+            if not local:       # at least one token: a worker with nothing out has nothing to pre-draft for
+                num_draft = [max(k, min(c, 1)) for k, c in zip(num_draft, caps)]
         t0 = time.perf_counter()
         proposal = None
         try:
-            # a worker round with no draft asked still tells the worker the outcomes (it keeps the sequences)
-            asked_none = not any(num_draft) and chooser is None
-            if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch or asked_none:
+            if self.max_spec_batch is not None and len(seqs) > self.max_spec_batch or not any(num_draft):
                 proposer.skip(seqs)
             else:
                 proposal = proposer.propose(seqs, num_draft, self.last_verify_s)
