@@ -56,7 +56,9 @@ class Cell:
     wall: float = 0.0
     decode_wall: float = 0.0
     before: object = None          # the engine's speculation counters before the cell (SpecSnapshot)
+    after: object = None           # ... and right after it (later cells run on the same engine)
     tp_before: dict | None = None  # tensor-parallel timings before the cell (LLM.tensor_parallel_stats)
+    tp_after: dict | None = None
 
 
 def median(xs: list[float | None]) -> float | None:
@@ -123,9 +125,9 @@ def spec_counts(llm):
     return None
 
 
-def spec_stats(llm, mode: str, before) -> dict:
-    """SSD cache metrics / auto's decisions over one cell (differences of the engine's counters)."""
-    after = spec_counts(llm)
+def spec_stats(llm, mode: str, before, after) -> dict:
+    """SSD cache metrics / auto's decisions over one cell (differences of the engine's counters
+    taken before and after it)."""
     if mode == "ssd":
         if after is None or before is None:
             return {"degraded_from": llm.engine.degraded_from}
@@ -178,6 +180,10 @@ def measure(llms: dict[str, object], specs: list[EngineSpec], rendered: dict[str
                         bar.set_postfix_str(f"b{bs} {dataset} {lab}")
                         bar.update(1)
                     turn += 1
+                for lab in labels:      # the counters of this cell only: the engines run later cells too
+                    tp = getattr(llms[lab], "tensor_parallel_stats", None)
+                    cell = cells[(lab, bs, dataset)]
+                    cell.after, cell.tp_after = spec_counts(llms[lab]), tp() if tp else None
     torch.set_num_threads(default_threads)
     return cells
 

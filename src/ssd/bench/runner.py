@@ -349,9 +349,9 @@ def run_bench(cfg: BenchConfig) -> dict:
             llm = llms[lab]
             spec = next(s for s in specs if s.label == lab)
             run = er.cell_entry(llm, cell, dataset, bs, cfg.max_tokens, f"{lab} {dataset}")
-            run.update(er.spec_stats(llm, spec.mode, cell.before))
+            run.update(er.spec_stats(llm, spec.mode, cell.before, cell.after))
             if cell.tp_before is not None:
-                run["tensor_parallel"] = tp_run_stats(cell.tp_before, llm.tensor_parallel_stats())
+                run["tensor_parallel"] = tp_run_stats(cell.tp_before, cell.tp_after)
             entries[(lab, bs, dataset)] = run
         cells.update(got)
         for lab, llm in llms.items():

@@ -28,6 +28,12 @@ def ready_key(rank: int) -> str:
     return f"ssd/rank{rank}/ready"
 
 
+def bye_key(rank: int) -> str:
+    """Set by a rank once its gloo groups are shut down after SHUTDOWN: rank 0 closes its own only
+    then (both sides tearing down one link at once could abort a process in gloo's teardown)."""
+    return f"ssd/rank{rank}/bye"
+
+
 def error_key(rank: int) -> str:
     return f"ssd/rank{rank}/error"
 
@@ -116,6 +122,10 @@ def serve(host: str, port: int, rank: int, world: int, model: str | None = None,
             busy += time.perf_counter() - t0
     finally:
         group.close()
+    try:
+        store.set(bye_key(rank), "1")
+    except Exception:       # noqa: BLE001 - rank 0 may be gone: nothing waits for this then
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,12 +16,13 @@ import sys
 import threading
 import time
 import weakref
+from datetime import timedelta
 
 import torch
 
 from ssd.distributed.group import (COPY, FORWARD, SHUTDOWN, STATS, TensorParallelError, TPGroup, encode_batch,
                                    make_store)
-from ssd.distributed.rank import CONFIG_KEY, KV_KEY, Reducer, error_key, ready_key
+from ssd.distributed.rank import CONFIG_KEY, KV_KEY, Reducer, bye_key, error_key, ready_key
 from ssd.distributed.sharding import split_even
 from ssd.engine.childlog import LoggedChild
 from ssd.engine.model_runner import ModelRunner, StepBatch
@@ -204,6 +205,13 @@ class TPTarget:
                 p.kill()
                 p.wait()
         if self.group is not None:
+            if not self.broken:     # ranks started elsewhere: let them shut their side down first
+                remote = [bye_key(r) for r in range(1, self.world) if r not in self.procs]
+                try:
+                    if remote:
+                        self.store.wait(remote, timedelta(seconds=5))
+                except Exception:   # noqa: BLE001 - a rank that does not answer: close anyway
+                    log.warning("tensor-parallel ranks %s did not confirm their shutdown within 5 s", remote)
             self.group.close()
             self.group = None
 
