@@ -44,8 +44,9 @@ class Chain:
     def complete(self) -> bool:
         return len(self.tokens) >= self.num_draft
 
-    def probs_tensor(self) -> Tensor | None:
-        return torch.stack(self.probs) if self.probs else None
+    def probs_tensor(self, n: int | None = None) -> Tensor | None:
+        """The proposal distributions of the first n tokens (all by default), stacked."""
+        return torch.stack(self.probs[:n]) if self.probs else None
 
 
 class SpeculationCache:

@@ -131,8 +131,7 @@ class DraftWorker:
             if full and self._adopt(s, chain, r.num_draft):
                 s.source = "cache"
                 n = r.num_draft
-                replies.append(Reply(s.seq_id, Source.CACHE, chain.tokens[:n],
-                                     torch.stack(chain.probs[:n]) if chain.probs else None))
+                replies.append(Reply(s.seq_id, Source.CACHE, chain.tokens[:n], chain.probs_tensor(n)))
             elif r.num_draft == 0:
                 s.spec, s.dists = [], {}
                 replies.append(Reply(s.seq_id, Source.NONE, []))
