@@ -185,15 +185,19 @@ llm.close()
 
 def test_tensor_parallel_rank_on_the_other_host(netns, tiny_pair, tmp_path, ar_ref):
     """A TP=2 target whose rank 1 runs in the other namespace, started as on a second host
-    (`ssd tp-rank --connect ENGINE_IP:PORT`): greedy output equals the TP=1 (AR) reference, over the
-    real link (rank 1 reports its all-reduces), and rank 1 exits when the engine closes."""
+    (`ssd tp-rank --connect ENGINE_IP:PORT`, with a /dev/shm of its own): greedy output equals the TP=1
+    (AR) reference, over the real link (rank 1 reports its all-reduces; the engine's shared-memory offer
+    is refused, so they ran over TCP), and rank 1 exits when the engine closes."""
     ens, wns = netns
     port = 29631
     script = tmp_path / "tp_engine.py"
     script.write_text(TP_ENGINE_SCRIPT)
     engine = _in_ns(ens, [sys.executable, str(script), str(tiny_pair[0]), f"{ENGINE_IP}:{port}", json.dumps(PROMPTS),
                           json.dumps(GREEDY)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    rank = _in_ns(wns, [sys.executable, "-m", "ssd.cli", "tp-rank", "--connect", f"{ENGINE_IP}:{port}", "--rank", "1",
+    # its own /dev/shm, as on another host: the shared-memory offer is refused, collectives go over TCP
+    rank = _in_ns(wns, ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh",
+                        sys.executable, "-m", "ssd.cli", "tp-rank", "--connect", f"{ENGINE_IP}:{port}", "--rank", "1",
                         "--world-size", "2", "--model", str(tiny_pair[0]), "--threads", "1"],
                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -203,6 +207,8 @@ def test_tensor_parallel_rank_on_the_other_host(netns, tiny_pair, tmp_path, ar_r
         assert res["tokens"] == ar_ref
         ranks = {r["rank"]: r for r in res["stats"]["ranks"]}
         assert ranks[1]["allreduces"] > 0
+        assert res["stats"]["transport"] == "gloo", "rank 1 has its own /dev/shm: the link must be TCP"
+        assert "could not map the shared-memory segment" in err
         assert rank.wait(30) == 0
     finally:
         _stop(engine, rank)

@@ -89,6 +89,8 @@ def test_vocab_split_uneven_and_in_the_plan():
 def test_rank_cores_and_batch_encoding():
     assert rank_cores([5, 1, 2, 3], 2) == [[1, 2], [3, 5]]
     assert rank_cores([0], 2) is None
+    assert rank_cores([0, 1, 2, 3], 2, threads=1) == [[0], [1]]        # --threads: that many cores per rank
+    assert rank_cores([0, 1], 2, threads=2) is None                   # 4 threads on 2 cores: not pinned
     slots = [torch.tensor([4, 5, 6]), torch.tensor([9])]
     t, p, q, c, rows = decode_batch(encode_batch([7, 8, 9], [1, 2, 0], [2, 1], slots, [1, 2]))
     assert (t, p, q, rows) == ([7, 8, 9], [1, 2, 0], [2, 1], [1, 2]) and [x.tolist() for x in c] == [[4, 5, 6], [9]]
@@ -143,12 +145,25 @@ def test_tp_greedy_generation_equals_tp1_ar(engines, tp):
     assert [o.token_ids for o in engines("qwen2", tp).generate(PROMPTS, GREEDY)] == ref
 
 
+def test_tp_over_gloo_equals_tp_over_shared_memory(engines):
+    """Ranks on one host use shared memory by default; tp_transport="gloo" forces TCP: same tokens,
+    same logits (both sum the ranks' partials in the same order), and the stats say which ran."""
+    shm_lm, gloo_lm = engines("qwen2", 2), engines("qwen2", 2, tp_transport="gloo")
+    assert shm_lm.tensor_parallel_stats()["transport"] == "shm"
+    assert gloo_lm.tensor_parallel_stats()["transport"] == "gloo"
+    assert [o.token_ids for o in gloo_lm.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in shm_lm.generate(PROMPTS, GREEDY)]
+    torch.testing.assert_close(all_logits(gloo_lm, IDS), all_logits(shm_lm, IDS), rtol=0, atol=0)
+    assert all(r["wait_s"] is None for r in gloo_lm.tensor_parallel_stats()["ranks"])
+    assert all(r["wait_s"] >= 0 for r in shm_lm.tensor_parallel_stats()["ranks"])
+
+
 def test_tp_stats_split_compute_and_collectives_per_rank(engines):
     from ssd.bench.runner import tp_run_stats
 
     lm = engines("qwen2", 2)
     before = lm.tensor_parallel_stats()
-    lm.generate(PROMPTS[:1], GREEDY)
+    lm.generate(["y" * 25], GREEDY)     # 25 new prompt tokens (none prefix-cached): not a decode-sized forward
     run = tp_run_stats(before, lm.tensor_parallel_stats())
     assert run["size"] == 2 and run["steps"] >= GREEDY.max_tokens
     layers = lm.target.config.num_layers
@@ -157,6 +172,17 @@ def test_tp_stats_split_compute_and_collectives_per_rank(engines):
         assert r["gathers"] == run["steps"]                          # the logits columns, every step
         assert 0 < r["allreduce_s"] <= r["busy_s"] and r["compute_s"] == r["busy_s"] - r["allreduce_s"]
         assert r["allreduce_ms_per_step"] > 0
+        assert 0 <= r["wait_s"] <= r["allreduce_s"]
+        # decode steps alone: every step but the prefill; their collectives are a share of their time
+        assert 0 < r["decode_allreduce_ms_per_step"] and 0 < r["decode_allreduce_share"] < 1
+        assert 0 <= r["decode_wait_ms_per_step"] <= r["decode_allreduce_ms_per_step"]
+    assert run["transport"] == "shm"
+    assert run["decode_steps"] == run["steps"] - 1 == GREEDY.max_tokens - 1   # one prompt: one prefill forward
+    from ssd.bench.report import tensor_parallel_table
+
+    table = tensor_parallel_table({"runs": [{"dataset": "d", "batch_size": 1, "mode": "ar", "tensor_parallel": run}]})
+    assert table.count("| d | 1 | ar | shm |") == 2 and "%" in table
+    assert tensor_parallel_table({"runs": [{"dataset": "d", "mode": "ar"}]}) == ""
     assert engines("qwen2", 1).tensor_parallel_stats() is None
 
 
@@ -361,7 +387,7 @@ def test_hung_rank_times_out_with_a_clear_error(folders):
     import signal
 
     lm = LLM(str(folders["qwen2"]), dtype="float32", progress=False, kv_cache_gb=0.01, tensor_parallel_size=2,
-             tp_timeout_s=3)
+             tp_timeout_s=8)   # start-up (import torch: ~3 s here) fits
     rank = lm._tp.procs[1]
     try:
         lm.generate("abc", GREEDY)

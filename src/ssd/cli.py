@@ -72,6 +72,9 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    "instead of starting them locally")
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds bounding tensor-parallel start-up and each step's collectives")
+    g.add_argument("--tp-transport", choices=("auto", "gloo"), default="auto",
+                   help="tensor-parallel collectives: auto = shared memory between ranks on this host, gloo "
+                   "(TCP) otherwise; gloo = always gloo. Default %(default)s")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -109,6 +112,7 @@ def _llm(args, **extra):
                saguaro_c=args.saguaro_c, backup=args.backup, auto_ssd=args.auto_ssd,
                worker_timeout_s=args.worker_timeout, worker_start_timeout_s=args.worker_start_timeout,
                tensor_parallel_size=args.tensor_parallel_size, tp_host=args.tp_host, tp_timeout_s=args.tp_timeout,
+               tp_transport=args.tp_transport,
                **extra)
 
 

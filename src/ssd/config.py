@@ -50,6 +50,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1        # ranks the target is sharded over; rank 0 is this process
     tp_host: str | None = None           # "HOST:PORT": wait for `ssd tp-rank --connect` there instead of spawning
     tp_timeout_s: float = 60.0           # bound on start-up and on every collective of a step
+    tp_transport: str = "auto"           # collectives: "auto" = shared memory between ranks on one host,
+                                         # gloo otherwise; "gloo" = always gloo (TCP)
 
     def __post_init__(self) -> None:
         if self.mode is None:
@@ -94,6 +96,8 @@ class EngineConfig:
                              "supported with it: use device='cpu' or tensor_parallel_size=1")
         if self.tp_host is not None and self.tensor_parallel_size == 1:
             raise ValueError("tp_host waits for tensor-parallel ranks; it needs tensor_parallel_size > 1")
+        if self.tp_transport not in ("auto", "gloo"):
+            raise ValueError(f"tp_transport must be 'auto' or 'gloo', got {self.tp_transport!r}")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.worker_timeout_s <= 0 or self.worker_start_timeout_s <= 0:

@@ -154,7 +154,7 @@ class LLM:
             cores = [c for c in cores if c not in taken] or cores
         return TPTarget(cfg.model, cfg.dtype, cfg.device, cfg.max_model_len + 32, cfg.tensor_parallel_size,
                         progress=cfg.progress, timeout_s=cfg.tp_timeout_s, listen=cfg.tp_host, cores=cores,
-                        threads=cfg.threads)
+                        threads=cfg.threads, transport=cfg.tp_transport)
 
     def _start_worker(self, target_runner: ModelRunner):
         """Check the draft against the target, then start the SSD draft workers (each on its own cores,

@@ -110,7 +110,7 @@ def config_from_args(args):
         peer_assistant_tokens=args.peer_assistant_tokens,
         out_dir=args.out_dir, stem=args.stem, bandwidth=not args.no_bandwidth, warmup=not args.no_warmup,
         title=args.title or ("ssd bench --quick" if args.quick else None),
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, tp_transport=getattr(args, "tp_transport", "auto"),
         ssd_options=dict(fanout_budget=args.fanout_budget, saguaro_c=args.saguaro_c, backup=args.backup,
                          draft_threads=args.draft_threads, draft_cores=parse_cores(args.draft_cores),
                          num_draft_workers=args.draft_workers))

@@ -156,6 +156,26 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tensor_parallel_table(result: dict) -> str:
+    """Per run and rank: a decode step's time split into compute and collectives (and, over shared
+    memory, the part of the collectives spent waiting for the slower rank). Empty without TP runs."""
+    runs = [r for r in _ordered_runs(result.get("runs") or []) if r.get("tensor_parallel")]
+    if not runs:
+        return ""
+    lines = ["| dataset | batch | mode | transport | rank | decode steps | compute ms/step | collectives ms/step | "
+             "of which waiting | collectives share |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        tp = r["tensor_parallel"]
+        for rk in tp.get("ranks") or []:
+            share = _num(rk.get("decode_allreduce_share"))
+            lines.append("| " + " | ".join([
+                str(r.get("dataset", "?")), str(r.get("batch_size", _DASH)), _label(r), str(tp.get("transport") or "gloo"),
+                str(rk.get("rank")), str(tp.get("decode_steps", _DASH)), _fmt(rk.get("decode_compute_ms_per_step"), 1),
+                _fmt(rk.get("decode_allreduce_ms_per_step"), 1), _fmt(rk.get("decode_wait_ms_per_step"), 1),
+                _DASH if share is None else f"{share:.0%}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _machine_lines(m: dict) -> list[str]:
     if not m:
         return ["(no machine info)"]
@@ -214,6 +234,13 @@ def _markdown_report(result: dict, stem: str, images: dict[str, Path]) -> str:
              "included); decode tok/s excludes the prefill; x AR: ratio to our autoregressive "
              "run on the same dataset; accept rate: accepted / proposed draft tokens; "
              "tokens/target fwd: mean accepted length, generated tokens per target forward.", ""]
+    tp = tensor_parallel_table(result)
+    if tp:
+        parts += ["## Tensor parallel: time per decode step, per rank", "", tp.rstrip("\n"), "",
+                  "Decode steps: target forwards whose every query is at most 16 tokens (prefills excluded). "
+                  "compute: the rank's forward minus its collectives; collectives: its all-reduces and the "
+                  "logits gather, waiting for the other ranks included (`of which waiting`: that wait alone, "
+                  "measured over shared memory only); share: collectives / the rank's whole step.", ""]
     titles = {"png_tokens_per_s": "Throughput", "png_acceptance_by_position": "Acceptance by draft position",
               "png_by_batch_size": "Throughput by batch size"}
     for key, path in images.items():

@@ -89,6 +89,7 @@ class BenchConfig:
     title: str | None = None
     ssd_options: dict = field(default_factory=dict)   # extra LLM(...) settings for mode ssd (fan-out, cores...)
     tensor_parallel_size: int = 1            # target sharded over this many CPU ranks (runs record per-rank timings)
+    tp_transport: str = "auto"               # their collectives: shared memory on one host, or "gloo"
     prompts: dict[str, list[BenchPrompt]] | None = None   # injected prompts (dataset -> prompts)
 
     def __post_init__(self) -> None:
@@ -249,6 +250,7 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
                max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
                max_num_seqs=max(16, *cfg.batch_sizes), progress=cfg.progress, trace=True,
                tensor_parallel_size=cfg.tensor_parallel_size,
+               **({"tp_transport": cfg.tp_transport} if cfg.tensor_parallel_size > 1 else {}),
                **(cfg.ssd_options if mode == "ssd" or mode == "auto" and cfg.auto_ssd else {}),
                **({"auto_ssd": True} if mode == "auto" and cfg.auto_ssd else {}),
                **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}))
@@ -289,6 +291,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                       "one configuration after another (AR first)"),
         "tensor_parallel_size": cfg.tensor_parallel_size,
     }
+    if cfg.tensor_parallel_size > 1:
+        config["tp_transport"] = cfg.tp_transport
     if cfg.tensor_parallel_size > 1:
         config["tensor_parallel_note"] = ("target_weight_bytes_per_token counts rank 0's shard (with its vocab "
                                           "rows of the LM head); runs carry per-rank compute and collective "
@@ -426,17 +430,28 @@ def _finish_runs(cfg: BenchConfig, specs, entries, cells, load_s, config, bandwi
 
 
 def tp_run_stats(before: dict, after: dict) -> dict:
-    """Per-rank compute vs collective time (all-reduces and logits gathers, `allreduce_s`) of one run
-    (from two cumulative `tensor_parallel_stats`)."""
+    """Per-rank compute vs collective time (all-reduces and logits gathers, `allreduce_s`; of it, the
+    wait for a slower peer, `wait_s`, over shared memory) of one run (from two cumulative
+    `tensor_parallel_stats`), over all forwards and (`decode_*`) over decode-step forwards alone."""
     steps = after["forwards"] - before["forwards"]
+    dsteps = after.get("decode_forwards", 0) - before.get("decode_forwards", 0)
+    per = lambda x, n: x / n * 1e3 if n and x is not None else None   # noqa: E731
     ranks = []
     for b, a in zip(before["ranks"], after["ranks"]):
         busy, comm = a["busy_s"] - b["busy_s"], a["allreduce_s"] - b["allreduce_s"]
+        wait = a["wait_s"] - b["wait_s"] if a.get("wait_s") is not None else None
         ranks.append(dict(rank=a["rank"], busy_s=busy, allreduce_s=comm, compute_s=busy - comm,
                           allreduces=a["allreduces"] - b["allreduces"], gathers=a["gathers"] - b["gathers"],
                           allreduce_ms_per_step=comm / steps * 1e3 if steps else None,
-                          compute_ms_per_step=(busy - comm) / steps * 1e3 if steps else None))
-    return dict(size=len(ranks), steps=steps, ranks=ranks)
+                          compute_ms_per_step=(busy - comm) / steps * 1e3 if steps else None,
+                          wait_s=wait, wait_ms_per_step=per(wait, steps)))
+        if "decode_busy_s" in a:        # decode-step forwards alone (what a decode token costs)
+            dbusy, dcomm = a["decode_busy_s"] - b["decode_busy_s"], a["decode_allreduce_s"] - b["decode_allreduce_s"]
+            dwait = a["decode_wait_s"] - b["decode_wait_s"] if a.get("decode_wait_s") is not None else None
+            ranks[-1].update(decode_compute_ms_per_step=per(dbusy - dcomm, dsteps),
+                             decode_allreduce_ms_per_step=per(dcomm, dsteps), decode_wait_ms_per_step=per(dwait, dsteps),
+                             decode_allreduce_share=dcomm / dbusy if dbusy > 0 else None)
+    return dict(size=len(ranks), steps=steps, decode_steps=dsteps, transport=after.get("transport"), ranks=ranks)
 
 
 def _run_peers(cfg: BenchConfig, prompts, rendered, ar_ids, config) -> list[dict]:

@@ -16,18 +16,27 @@ Both groups bind gloo to the rank's address on the link (rank 0: the address it 
 ranks: their source address toward rank 0), as the draft-worker link does (transport.py): gloo's
 default, the hostname's address, is often 127.0.0.1, which another host cannot reach.
 
+Ranks on one host use a shared-memory segment instead (ssd/distributed/shm.py, negotiated in
+`negotiate_shm`): the commands, their payloads and every collective of a step then go through it and
+gloo only carries the set-up and the shutdown. `transport` says which one a group uses.
+
 Time spent in collectives (all-reduces and logits gathers) is accumulated per rank (`comm_s`; counts
 `reduces`, `gathers`) for the bench.
 """
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 IDLE_TIMEOUT = timedelta(days=7)
+
+DECODE_MAX_QUERY = 16      # a forward whose every query is at most this long counts as a decode step
 
 # commands (header: kind, payload length)
 FORWARD, COPY, SHUTDOWN, STATS = 1, 2, 3, 4
@@ -64,27 +73,54 @@ class TPGroup:
         self.reduces = 0
         self.gathers = 0
         self.closed = False
+        self.shm = None             # a ShmChannel once negotiate_shm agreed on one
+        self.decode = False         # set by the caller around a decode-step forward: its collectives
+        self.decode_comm_s = 0.0    # are also counted here (and their waits in decode_wait_s)
+        self.decode_wait_s = 0.0
+
+    @property
+    def transport(self) -> str:
+        return "gloo" if self.shm is None else "shm"
+
+    @property
+    def wait_s(self) -> float:
+        """Of comm_s, the time spent waiting for a slower peer to arrive (shared memory only: gloo's
+        wait and wire time are not told apart; -1 then)."""
+        return -1.0 if self.shm is None else self.shm.wait_s
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks (fp32 on the wire for 16-bit activations)."""
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), self.wait_s
         buf = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
-        self.step.allreduce([buf]).wait()
+        if self.shm is not None:
+            self.shm.all_reduce(buf)
+        else:
+            self.step.allreduce([buf]).wait()
         if buf is not t:
             t.copy_(buf)
-        self.comm_s += time.perf_counter() - t0
+        self._count(t0, w0)
         self.reduces += 1
         return t
+
+    def _count(self, t0: float, w0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.comm_s += dt
+        if self.decode:
+            self.decode_comm_s += dt
+            self.decode_wait_s += self.wait_s - w0
 
     def gather_columns(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
         """Rank 0: every rank's `t` [N, widths[rank]] side by side, [N, sum(widths)] fp32; other
         ranks: None. Padded to the widest slice on the wire (gloo gathers equal shapes)."""
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), self.wait_s
         buf = t.new_zeros((t.shape[0], max(widths)), dtype=torch.float32)
         buf[:, :t.shape[1]] = t
-        out = [torch.empty_like(buf) for _ in range(self.world)] if self.rank == 0 else []
-        self.step.gather(out, buf, 0, self.timeout).wait(self.timeout)
-        self.comm_s += time.perf_counter() - t0
+        if self.shm is not None:
+            out = self.shm.gather(buf) or []
+        else:
+            out = [torch.empty_like(buf) for _ in range(self.world)] if self.rank == 0 else []
+            self.step.gather(out, buf, 0, self.timeout).wait(self.timeout)
+        self._count(t0, w0)
         self.gathers += 1
         if self.rank != 0:
             return None
@@ -93,12 +129,19 @@ class TPGroup:
     def send_command(self, kind: int, payload: torch.Tensor | None = None) -> None:
         """Rank 0: the header, then the int64 payload."""
         n = 0 if payload is None else payload.numel()
+        if self.shm is not None:
+            head = torch.tensor([kind, n], dtype=torch.long)
+            self.shm.broadcast_longs(head if payload is None else torch.cat([head, payload.reshape(-1).long()]))
+            return
         self.cmd.broadcast(torch.tensor([kind, n], dtype=torch.long), 0).wait(self.timeout)
         if n:
             self.step.broadcast(payload.contiguous(), 0).wait()
 
     def recv_command(self) -> tuple[int, torch.Tensor]:
         """Ranks 1..N-1: wait (unbounded while rank 0 is idle) for the next command."""
+        if self.shm is not None:
+            msg = self.shm.broadcast_longs(None, idle=True)
+            return int(msg[0]), msg[2:2 + int(msg[1])]
         header = torch.zeros(2, dtype=torch.long)
         self.cmd.broadcast(header, 0).wait()
         kind, n = header.tolist()
@@ -110,6 +153,8 @@ class TPGroup:
     def gather_floats(self, values: list[float]) -> list[list[float]]:
         """Every rank's `values` (same length on all ranks), on every rank."""
         t = torch.tensor(values, dtype=torch.float64)
+        if self.shm is not None:
+            return [o.tolist() for o in self.shm.all_gather(t)]
         out = [torch.zeros_like(t) for _ in range(self.world)]
         self.step.allgather([out], [t]).wait()
         return [o.tolist() for o in out]
@@ -118,11 +163,76 @@ class TPGroup:
         if self.closed:
             return
         self.closed = True
+        if self.shm is not None:
+            self.shm.close()
         for g in (self.step, self.cmd):
             try:
                 g.shutdown()
             except Exception:       # noqa: BLE001 - best effort at exit
                 pass
+
+
+def stat_row(busy_s: float, decode_busy_s: float, g: "TPGroup") -> list[float]:
+    """One rank's cumulative timings for TPTarget.stats (the same order on every rank)."""
+    return [busy_s, g.comm_s, float(g.reduces), float(g.gathers), g.wait_s, decode_busy_s, g.decode_comm_s,
+            g.decode_wait_s]
+
+
+def is_decode(query_lens) -> bool:
+    return bool(query_lens) and max(query_lens) <= DECODE_MAX_QUERY
+
+
+def negotiate_shm(group: TPGroup, want: bool = True, spin: bool = True) -> None:
+    """Collective over the group's store: rank 0 offers a shared-memory segment (when `want`, and on
+    x86), every rank says whether it mapped it (it has not on another host), and the group uses it only
+    if all did. Bounded by the group's timeout; the segment's file is unlinked before this returns.
+    spin (rank 0's word for all): busy-wait before yielding; False when the ranks share cores."""
+    import json
+    import os
+
+    from ssd.distributed import shm
+
+    store, rank, world, timeout = group.store, group.rank, group.world, group.timeout
+    answer = lambda r: f"tp-shm/answer/{r}"         # noqa: E731
+    if rank == 0:
+        offer = None
+        if want and shm.available() and world <= shm.MAX_WORLD:
+            try:
+                path, nonce, size = shm.create(world)
+                offer = dict(path=path, nonce=nonce, size=size, spin=shm.SPIN if spin else 0)
+            except OSError as e:
+                log.info("tensor parallel: no shared-memory segment (%s): collectives over gloo", e)
+        store.set("tp-shm/offer", json.dumps(offer))
+        try:
+            ch = shm.ShmChannel(offer["path"], offer["nonce"], offer["size"], 0, world, timeout.total_seconds(),
+                                offer["spin"]) if offer else None
+            if world > 1:
+                store.wait([answer(r) for r in range(1, world)], timeout)
+            answers = [store.get(answer(r)).decode() for r in range(1, world)]
+        finally:
+            if offer:
+                os.unlink(offer["path"])
+        use = ch is not None and all(a == "ok" for a in answers)
+        if ch is not None and not use:
+            log.info("tensor parallel: rank(s) %s could not map the shared-memory segment (%s): collectives over "
+                     "gloo", [r + 1 for r, a in enumerate(answers) if a != "ok"], "; ".join(set(answers)))
+            ch.close()
+        store.set("tp-shm/use", "1" if use else "0")
+    else:
+        offer = json.loads(store.get("tp-shm/offer"))
+        ch, said = None, "not offered"
+        if offer:
+            try:
+                ch = shm.ShmChannel(offer["path"], offer["nonce"], offer["size"], rank, world,
+                                    timeout.total_seconds(), offer["spin"])
+                said = "ok"
+            except (OSError, ValueError) as e:
+                said = f"{type(e).__name__}: {e}"
+        store.set(answer(rank), said)
+        use = store.get("tp-shm/use").decode() == "1"
+        if ch is not None and not use:
+            ch.close()
+    group.shm = ch if use else None
 
 
 def encode_batch(tokens, positions, query_lens, ctx_slots, logit_rows=()) -> torch.Tensor:

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from ssd.distributed.group import COPY, FORWARD, SHUTDOWN, STATS, TPGroup, decode_batch, make_store
+from ssd.distributed.group import (COPY, FORWARD, SHUTDOWN, STATS, TPGroup, decode_batch, is_decode, make_store,
+                                   negotiate_shm, stat_row)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,18 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="ssd-tp-parent-watch").start()
 
 
+def _engine_alive(store):
+    """While idle on shared memory: ask rank 0's store about once a second (it is gone with rank 0)."""
+    last = [time.monotonic()]
+
+    def check():
+        now = time.monotonic()
+        if now - last[0] > 1.0:
+            last[0] = now
+            store.check([CONFIG_KEY])       # raises once rank 0's store is gone
+    return check
+
+
 def serve(host: str, port: int, rank: int, world: int, model: str | None = None, device: str | None = None,
           threads: int | None = None, cores: list[int] | None = None, timeout_s: float = 60.0) -> None:
     from ssd.engine.model_runner import ModelRunner, StepBatch
@@ -97,24 +110,32 @@ def serve(host: str, port: int, rank: int, world: int, model: str | None = None,
     from ssd.speculation.worker.transport import local_address
 
     group = TPGroup(store, rank, world, conf["timeout_s"], local_address(host, port))
+    negotiate_shm(group)
+    if group.shm is not None:
+        group.shm.idle_check = _engine_alive(store)
     reducer.group = group
-    busy = 0.0
-    log.info("tensor-parallel rank %d/%d is up (pid %d)", rank, world, os.getpid())
+    busy = decode_busy = 0.0
+    log.info("tensor-parallel rank %d/%d is up (pid %d), collectives over %s", rank, world, os.getpid(),
+             group.transport)
     try:
         while True:
             kind, payload = group.recv_command()
             t0 = time.perf_counter()
             if kind == FORWARD:
                 tokens, positions, query_lens, ctx, rows = decode_batch(payload)
+                group.decode = is_decode(query_lens)
                 hidden = runner.run(StepBatch(tokens, positions, query_lens, ctx, rows))
                 if rows:
                     with torch.inference_mode():
                         runner.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
+                if group.decode:
+                    decode_busy += time.perf_counter() - t0
+                group.decode = False
             elif kind == COPY:
                 src, dst = payload.chunk(2)
                 runner.copy_slots(src, dst)
             elif kind == STATS:
-                group.gather_floats([busy, group.comm_s, float(group.reduces), float(group.gathers)])
+                group.gather_floats(stat_row(busy, decode_busy, group))
             elif kind == SHUTDOWN:
                 break
             else:

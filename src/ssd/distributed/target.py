@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 
 from ssd.distributed.group import (COPY, FORWARD, SHUTDOWN, STATS, TensorParallelError, TPGroup, encode_batch,
-                                   make_store)
+                                   is_decode, make_store, negotiate_shm, stat_row)
 from ssd.distributed.rank import CONFIG_KEY, KV_KEY, Reducer, bye_key, error_key, ready_key
 from ssd.distributed.sharding import split_even
 from ssd.engine.childlog import LoggedChild
@@ -30,30 +30,38 @@ from ssd.engine.model_runner import ModelRunner, StepBatch
 log = logging.getLogger(__name__)
 
 
-def rank_cores(available: list[int], world: int) -> list[list[int]] | None:
-    """Contiguous core groups, one per rank (rank 0 first), as even as possible; None when there are
-    fewer cores than ranks (then nothing is pinned)."""
-    if len(available) < world:
-        return None
+def rank_cores(available: list[int], world: int, threads: int | None = None) -> list[list[int]] | None:
+    """Contiguous core groups, one per rank (rank 0 first): `threads` cores each, or (None) all the
+    cores split as evenly as possible; None when they do not fit (then nothing is pinned)."""
     cores = sorted(available)
+    if threads is not None:
+        return [cores[r * threads:(r + 1) * threads] for r in range(world)] if world * threads <= len(cores) else None
+    if len(cores) < world:
+        return None
     return [cores[a:b] for a, b in split_even(len(cores), world)]
 
 
 class TPTarget:
     def __init__(self, spec, dtype: str, device: str, max_positions: int, world: int, *, progress: bool = True,
                  timeout_s: float = 60.0, listen: str | None = None, cores: list[int] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, transport: str = "auto"):
         """listen: "HOST:PORT" to wait for ranks started by hand (`ssd tp-rank`) instead of spawning
-        them; cores: the CPU cores the ranks share (default: this process's, when on CPU)."""
+        them; cores: the CPU cores the ranks share (default: this process's, when on CPU); transport:
+        "auto" (shared memory when every rank can map rank 0's segment, i.e. is on this host; else
+        gloo) or "gloo"."""
         from ssd.models.loader import load_model
 
-        self.world, self.timeout_s = world, timeout_s
+        if transport not in ("auto", "gloo"):
+            raise ValueError(f"tensor-parallel transport must be 'auto' or 'gloo', got {transport!r}")
+        self.world, self.timeout_s, self.transport = world, timeout_s, transport
         self.procs: dict[int, LoggedChild] = {}
         self.group: TPGroup | None = None
         self.broken: str | None = None
         self._closed = False
         self.busy_s = 0.0           # rank 0's time in mirrored forwards/copies (TPModelRunner)
         self.forwards = 0
+        self.decode_busy_s = 0.0    # of which in decode-step forwards (group.is_decode), and their count
+        self.decode_forwards = 0
         from ssd.speculation.worker.transport import free_port
 
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
@@ -62,10 +70,14 @@ class TPTarget:
         self.store.set(CONFIG_KEY, json.dumps(dict(model=str(spec), dtype=dtype, device=str(device),
                                                    max_positions=max_positions, world=world, timeout_s=timeout_s)))
         groups = None
-        if torch.device(device).type == "cpu" and threads is None:
-            groups = rank_cores(cores or sorted(os.sched_getaffinity(0)), world)
+        available = cores or sorted(os.sched_getaffinity(0))
+        if torch.device(device).type == "cpu":
+            groups = rank_cores(available, world, threads)
             if groups is None:
-                log.warning("tensor_parallel_size=%d on fewer CPU cores: ranks are not pinned and share cores", world)
+                log.warning("tensor_parallel_size=%d x %s threads on %d CPU cores: ranks are not pinned and share "
+                            "cores", world, threads or 1, len(available))
+        # ranks busy-wait in shared-memory collectives only when each has cores of its own
+        self._spin = bool(groups) or world * (threads or 1) <= len(available)
         atexit.register(_close_ref(self))
         try:
             _build_kernels_first(dtype, device)
@@ -133,6 +145,9 @@ class TPTarget:
         def join():
             try:
                 self.group = TPGroup(self.store, 0, self.world, self.timeout_s, self.address.rsplit(":", 1)[0])
+                negotiate_shm(self.group, want=self.transport == "auto", spin=self._spin)
+                if self.group.shm is not None:
+                    self.group.shm.peer_check = self._raise_if_a_rank_exited
             except BaseException as e:  # noqa: BLE001 - reported below
                 err.append(e)
         t = threading.Thread(target=join, daemon=True)
@@ -147,7 +162,16 @@ class TPTarget:
         if err:
             raise TensorParallelError(f"could not form the tensor-parallel group on {self.address}: {err[0]}")
         self._reducer.group = self.group
-        log.info("tensor parallel: %d ranks up on %s", self.world, self.address)
+        log.info("tensor parallel: %d ranks up on %s, collectives over %s", self.world, self.address,
+                 self.group.transport)
+
+    def _raise_if_a_rank_exited(self) -> None:
+        """Shared-memory waits ask this (a dead peer closes no socket there)."""
+        from ssd.distributed.shm import ShmTimeout
+
+        for r, p in self.procs.items():
+            if p.poll() is not None:
+                raise ShmTimeout(f"tensor-parallel rank {r} exited")
 
     def _check_procs(self, when: str) -> None:
         for r, p in self.procs.items():
@@ -175,16 +199,21 @@ class TPTarget:
     def stats(self) -> dict:
         """Cumulative per-rank timings: seconds busy in forwards (logits included) and KV copies, of
         which in collectives (`allreduce_s`: the all-reduces and the logits gathers; compute = busy -
-        that), the all-reduce and gather counts; plus rank 0's forward count."""
+        that) and, of that, waiting for a slower peer (`wait_s`; None over gloo), the all-reduce and
+        gather counts; the same for decode-step forwards only (`decode_*`); plus rank 0's forward
+        counts and the transport ("shm" or "gloo")."""
         self.check()
         g = self.group
         try:
             g.send_command(STATS)
-            rows = g.gather_floats([self.busy_s, g.comm_s, float(g.reduces), float(g.gathers)])
+            rows = g.gather_floats(stat_row(self.busy_s, self.decode_busy_s, g))
         except RuntimeError as e:
             raise self.fail(e) from e
-        return dict(forwards=self.forwards, ranks=[dict(rank=r, busy_s=b, allreduce_s=c, allreduces=int(n),
-                                                        gathers=int(m)) for r, (b, c, n, m) in enumerate(rows)])
+        return dict(forwards=self.forwards, decode_forwards=self.decode_forwards, transport=g.transport,
+                    ranks=[dict(rank=r, busy_s=b, allreduce_s=c, allreduces=int(n), gathers=int(m),
+                                wait_s=w if w >= 0 else None, decode_busy_s=db, decode_allreduce_s=dc,
+                                decode_wait_s=dw if w >= 0 else None)
+                           for r, (b, c, n, m, w, db, dc, dw) in enumerate(rows)])
 
     # ---- shutdown ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -255,6 +284,8 @@ class TPModelRunner(ModelRunner):
     def forward(self, items):
         """The mirrored forward and the gather of the logits columns (ModelRunner.forward over `run`)."""
         self.tp.check()
+        decode = is_decode([len(it.tokens) for it in items])
+        self.tp.group.decode = decode
         t0 = time.perf_counter()
         try:
             return super().forward(items)
@@ -263,8 +294,14 @@ class TPModelRunner(ModelRunner):
         except RuntimeError as e:
             raise self.tp.fail(e) from e
         finally:
-            self.tp.busy_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.tp.busy_s += dt
             self.tp.forwards += 1
+            if decode:
+                self.tp.decode_busy_s += dt
+                self.tp.decode_forwards += 1
+            if self.tp.group is not None:
+                self.tp.group.decode = False
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Send the batch (with the rows whose logits rank 0 will ask for), then run rank 0's shard."""
