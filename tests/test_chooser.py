@@ -88,3 +88,15 @@ def test_cost_model_and_acceptance_learn_from_observations():
                 acc += 1
             est.observe(k, acc)
         assert est.value == pytest.approx(true_a, abs=0.08)
+
+
+def test_would_speculate_follows_the_cost_model_and_the_batch_size():
+    """auto prefills its in-process draft with the prompt only when a batch this size would draft."""
+    ch = Chooser(k=4)
+    ch.cost = model(b=0.02, c=0.1, d=0.01)            # flat verify, cheap draft: speculate
+    assert ch.would_speculate(1) and ch.would_speculate(8)
+    ch.cost = model(b=1.0)                             # every row costs a whole step: never
+    assert not ch.would_speculate(1)
+    ch.cost = model(a=1.0, b=0.02, c=0.2, d=0.15)      # draft rows expensive: pays alone, not in a batch
+    assert ch.would_speculate(1) and not ch.would_speculate(8)
+    assert not ch.would_speculate(0)

@@ -221,6 +221,32 @@ def test_sd_spec_max_batch_catches_up_when_the_batch_shrinks(tiny_pair):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_auto_prefills_its_draft_when_a_batch_this_size_would_speculate(tiny_pair, ar_outputs, monkeypatch, eager):
+    """auto asks the chooser at prefill time: a batch that would draft gets its in-process draft
+    prefilled with the prompt (as in SD: nothing to catch up in decode), one that would not stays lazy
+    (the prompt is caught up the first time it drafts). Same tokens as AR either way."""
+    from ssd.speculation.chooser import Chooser
+
+    llm = LLM(str(tiny_pair[0]), draft=str(tiny_pair[0]), mode="auto", k=3, dtype="float32", progress=False)
+    asked, behind = [], []
+    monkeypatch.setattr(Chooser, "would_speculate", lambda self, rows: asked.append(rows) or eager)
+    real_plan = Chooser.plan
+
+    def plan(self, seq_ids, caps, behind_now=None, remaining=None):
+        behind.append(list(behind_now))
+        return real_plan(self, seq_ids, caps, behind_now, remaining)
+    monkeypatch.setattr(Chooser, "plan", plan)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert asked and asked[0] == len(PROMPTS)          # the whole batch the prefill joins
+    prompt_lens = [len(llm.encode(p)) for p in PROMPTS]
+    assert behind[0] == ([0] * len(PROMPTS) if eager else prompt_lens)
+    assert llm.engine.spec_metrics().eager_draft_prefills == (len(PROMPTS) if eager else 0)
+    dbm = llm.engine.draft.block_manager
+    assert dbm.num_free_blocks == dbm.num_blocks
+
+
 def test_auto_switches_between_plain_and_draft_rounds_without_leaking_draft_kv(tiny_pair, ar_outputs, monkeypatch):
     """mode="auto" with a chooser that runs 6 plain rounds, then drafts, then plain again: the draft
     (never prefilled in auto) catches up on the prompt and the plain rounds' tokens the first time it
@@ -241,6 +267,7 @@ def test_auto_switches_between_plain_and_draft_rounds_without_leaking_draft_kv(t
         return list(caps) if draft else [0] * len(caps)
 
     monkeypatch.setattr(Chooser, "plan", plan)
+    monkeypatch.setattr(Chooser, "would_speculate", lambda self, rows: False)     # no eager draft prefill
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == ar_outputs
     assert seen[0][1] == [len(llm.encode(p)) for p in PROMPTS]       # lazy: the whole prompt is behind

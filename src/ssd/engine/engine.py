@@ -37,13 +37,12 @@ class StepOutput:
     new_logprobs: list | None = None       # TokenLogprob per new token, when the request asked for them
 
 
-def _weak_call(method):
+def _weak_call(method, default=None):
     ref = weakref.WeakMethod(method)
 
     def call(*args):
         fn = ref()
-        if fn is not None:
-            fn(*args)
+        return default if fn is None else fn(*args)
     return call
 
 
@@ -79,6 +78,7 @@ class LLMEngine:
             self.step_impl = SpeculativeStep(target, proposer, k, self.spec_counters, self.tracer,
                                              _weak_call(self._degrade), Chooser(k) if mode == "auto" else None)
             self.step_impl.max_spec_batch = spec_max_batch
+            self.step_impl.batch_rows = _weak_call(self._decode_rows, default=0)
             if mode == "auto" and draft_client is not None:     # auto_ssd: SSD stints next to local ones
                 from ssd.speculation.regime import RegimePolicy
 
@@ -92,6 +92,10 @@ class LLMEngine:
         self.scheduler.on_release = self.step_impl.release
         self._ids = itertools.count()
         self.seqs: dict[str, Sequence] = {}
+
+    def _decode_rows(self) -> int:
+        """Requests that will decode together (unfinished, up to max_num_seqs)."""
+        return min(len(self.seqs), self.scheduler.max_num_seqs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> Sequence:

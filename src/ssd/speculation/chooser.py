@@ -199,6 +199,14 @@ class Chooser:
         self.last.update(zip(seq_ids, new))
         return new
 
+    def would_speculate(self, rows: int) -> bool:
+        """Whether a batch of `rows` new requests at the engine-wide acceptance, drafts caught up, would
+        draft at all under the current cost model (auto: prefill the in-process draft with the prompt
+        then, as SD does, instead of catching it up in the first decode rounds)."""
+        if rows < 1:
+            return False
+        return any(best_plan([self.global_acc.value] * rows, [self.k] * rows, self.cost))
+
     def observe(self, seq_ids: list[int], num_draft: list[int], accepted: list[int], draft_s: float,
                 target_s: float, caught_up: int = 0) -> None:
         self.cost.observe_target(sum(k + 1 for k in num_draft), target_s)

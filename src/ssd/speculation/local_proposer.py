@@ -18,12 +18,13 @@ class DraftProposer:
 
     def __init__(self, draft: ModelRunner, vocab: int, tracer, lazy: bool = False):
         self.draft, self.vocab, self.tracer = draft, vocab, tracer
-        # lazy (mode "auto"): no draft prefill; the draft feeds the prompt the first time it drafts for
-        # the sequence (the chooser weighs that catch-up against the rest of the request)
+        # lazy (mode "auto"): no draft prefill unless the step asks for one (`eager`); the draft feeds
+        # the prompt the first time it drafts for the sequence (the chooser weighs that catch-up
+        # against the rest of the request)
         self.lazy = lazy
 
-    def prefill(self, seqs: list[Sequence]) -> None:
-        if self.lazy:
+    def prefill(self, seqs: list[Sequence], eager: bool = False) -> None:
+        if self.lazy and not eager:
             for seq in seqs:       # only the prefix-cached part is in the draft's cache (never commit more)
                 seq.spec_state.draft_cached = seq.num_cached[1]
             return

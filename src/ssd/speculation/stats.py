@@ -48,6 +48,7 @@ class SpecCounters:
     seqs_to_local: int = 0          # unfinished requests when the last worker failed (continued with local AR)
     # mode "auto": the chooser's decisions and how its predictions held up
     plain_rounds: int = 0           # rounds it ran without any draft (a plain target step)
+    eager_draft_prefills: int = 0   # requests whose in-process draft it prefilled with the prompt (else lazy)
     rows_by_num_draft: list[int] = field(default_factory=list)   # [j]: sequence-rounds given j draft tokens
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0
@@ -114,6 +115,7 @@ class SpecSnapshot:
     seqs_moved: int = 0
     seqs_to_local: int = 0
     plain_rounds: int = 0
+    eager_draft_prefills: int = 0
     rows_by_num_draft: tuple[int, ...] = ()
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0
@@ -163,6 +165,7 @@ class SpecSnapshot:
                    if self.draft_workers else {}),
                 **({"auto_plain_round_share": per(self.plain_rounds, self.rounds),
                     "auto_rows_by_num_draft": list(self.rows_by_num_draft),
+                    "auto_eager_draft_prefills": self.eager_draft_prefills,
                     "auto_predicted_tokens_per_s": per(self.predicted_tokens, self.predicted_s),
                     "auto_measured_tokens_per_s": per(self.committed_tokens, self.round_s)}
                    if self.rows_by_num_draft else {}),

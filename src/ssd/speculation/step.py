@@ -53,6 +53,7 @@ class SpeculativeStep:
         self.regime: RegimePolicy | None = None
         self.thread_split: tuple[int, int] | None = None      # (target threads: worker rounds, local rounds)
         self.worker_chooser: Chooser | None = None
+        self.batch_rows = lambda: 0     # the engine's count of unfinished requests (a new prefill joins them)
 
     def add_worker(self, worker: Proposer, regime: RegimePolicy, thread_split: tuple[int, int] | None) -> None:
         self.worker, self.regime, self.thread_split = worker, regime, thread_split
@@ -79,11 +80,20 @@ class SpeculativeStep:
         self.on_failure(error)
 
     def prefill(self, seqs: list[Sequence]) -> None:
+        attach = self.worker is not None and self.regime.enabled and self.regime.current == WORKER
         try:
-            self.proposer.prefill(seqs)
+            if getattr(self.proposer, "lazy", False):
+                # auto: prefill the in-process draft now (as SD does) when its rounds are the current
+                # regime and would draft for a batch this size; a lazy draft would feed the whole
+                # prompt in its first rounds, and a short probe of the local regime never repays that
+                eager = not attach and self.chooser is not None and \
+                    self.chooser.would_speculate(max(self.batch_rows(), len(seqs)))
+                self.counters.eager_draft_prefills += len(seqs) if eager else 0
+                self.proposer.prefill(seqs, eager=eager)
+            else:
+                self.proposer.prefill(seqs)
         except ProposerFailed as e:
             self._failed(e)
-        attach = self.worker is not None and self.regime.enabled and self.regime.current == WORKER
         if attach:               # as in SSD: the worker prefills on its own cores while the target does
             try:
                 self.worker.prefill(seqs)
