@@ -100,3 +100,46 @@ def test_would_speculate_follows_the_cost_model_and_the_batch_size():
     ch.cost = model(a=1.0, b=0.02, c=0.2, d=0.15)      # draft rows expensive: pays alone, not in a batch
     assert ch.would_speculate(1) and not ch.would_speculate(8)
     assert not ch.would_speculate(0)
+
+
+def test_a_chooser_that_always_drafts_runs_a_plain_round_now_and_then_and_resumes():
+    """Every plain_probe_every rounds one plain round keeps the plain step's cost measured; the plan
+    it returns to is the one it had (the probe does not become the kept plan)."""
+    ch = Chooser(k=3)
+    ch.cost = model(b=0.02, c=0.1, d=0.01)
+    plans = [ch.plan([1], [3]) for _ in range(70)]
+    plain = [i + 1 for i, p in enumerate(plans) if p == [0]]
+    assert plain == [8, 40] and ch.plain_probes == 2
+    assert all(p == [3] for i, p in enumerate(plans) if i + 1 not in plain)
+    off = Chooser(k=3, plain_probe_every=0)
+    off.cost = ch.cost
+    assert all(off.plan([1], [3]) == [3] for _ in range(70))
+
+
+def test_a_draft_that_sat_out_the_rounds_since_the_last_probe_is_still_probed():
+    """A plain round leaves the in-process draft one token further behind; a probe every 16 rounds must
+    still reach a draft up to 16 tokens behind, or a chooser that went plain would never look again."""
+    ch = Chooser(k=3)
+    ch.cost = model(b=1.0)                     # drafting never pays: plain plans
+    got = [ch.plan([1], [3], behind=[r + 1]) for r in range(16)]
+    assert got[15] == [1] and all(p == [0] for p in got[:15])
+    far = Chooser(k=3)
+    far.cost = ch.cost
+    assert [far.plan([1], [3], behind=[40]) for _ in range(16)][15] == [0]     # a long catch-up: no probe
+
+
+@pytest.mark.parametrize("prior_rounds, drafts_after", [(None, True), (2.0, False)])
+def test_one_early_rejection_does_not_end_drafting_for_a_request(monkeypatch, prior_rounds, drafts_after):
+    """The cost model auto measured for the default pair on 2 threads (draft step 34% of a target
+    step): with the request's prior worth 8 rounds, one rejection in its first round leaves drafting
+    on; the old prior (2 rounds, the control) turned it off for good, seen on HumanEval at batch 1."""
+    import ssd.speculation.chooser as chooser_mod
+
+    if prior_rounds is not None:
+        monkeypatch.setattr(chooser_mod, "PRIOR_ROUNDS", prior_rounds)
+    ch = Chooser(k=3)
+    ch.cost = model(a=1.0, b=0.1, c=0.336, d=0.066, e=0.02)
+    first = ch.plan([1], [3])
+    assert first[0] >= 1
+    ch._acc(1).observe(first[0], 0)               # the first draft token rejected
+    assert (ch.plan([1], [3])[0] > 0) == drafts_after

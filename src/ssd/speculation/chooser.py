@@ -135,6 +135,9 @@ def best_plan(acceptance: list[float], caps: list[int], cost: CostModel, behind:
     return plan
 
 
+PRIOR_ROUNDS = 8.0
+
+
 class AcceptanceEstimate:
     """Per-token acceptance of one request: accepted / (accepted + rejections), with a prior of
     `strength` rounds at the engine-wide rate, and decay so it follows a request that changes."""
@@ -159,10 +162,17 @@ class Chooser:
     updates (auto_ssd: the chooser of worker rounds fits its own verify costs, with the target on
     fewer cores, but not a second copy of every request's acceptance)."""
 
-    def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int = 2,
-                 cost: CostModel | None = None, shares_acceptance: "Chooser | None" = None):
+    def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int | None = None,
+                 cost: CostModel | None = None, shares_acceptance: "Chooser | None" = None,
+                 plain_probe_every: int = 32):
         self.k, self.hysteresis, self.probe_every = k, hysteresis, probe_every
-        self.probe_behind = probe_behind      # probe only drafts at most this far behind (a probe is cheap)
+        # probe only drafts at most this far behind (default: the rounds since the last probe, which a
+        # draft that sat out plain rounds since then is; its catch-up is one batched draft forward)
+        self.probe_behind = probe_every if probe_behind is None else probe_behind
+        # every this many rounds a plan that drafts runs one plain round instead: it keeps the target's
+        # cost at the plain row count measured (a chooser that always drafts fits its cost line at
+        # K+1 rows per request only and may overestimate a plain step). 0: never
+        self.plain_probe_every = plain_probe_every
         self.cost = cost or CostModel()
         other = shares_acceptance
         self.global_acc = other.global_acc if other else AcceptanceEstimate(0.6, strength=4.0)
@@ -171,10 +181,14 @@ class Chooser:
         self.rounds = 0
         self.predicted_tokens = 0.0     # of the last plan: expected tokens and predicted seconds
         self.predicted_s = 0.0
+        self.plain_probes = 0
 
     def _acc(self, seq_id: int) -> AcceptanceEstimate:
         if seq_id not in self.per_seq:
-            self.per_seq[seq_id] = AcceptanceEstimate(self.global_acc.value)
+            # worth 8 rounds of evidence: a weaker prior let the first rejection (often in the very
+            # first round) drop a request that accepts 80% below the point where drafting pays, and
+            # a request that is not drafted for is never measured again but by the rare probes
+            self.per_seq[seq_id] = AcceptanceEstimate(self.global_acc.value, strength=PRIOR_ROUNDS)
         return self.per_seq[seq_id]
 
     def plan(self, seq_ids: list[int], caps: list[int], behind: list[int] | None = None,
@@ -193,10 +207,14 @@ class Chooser:
             idle = [b for b, (k, c) in enumerate(zip(new, caps)) if k == 0 and c > 0 and behind[b] <= self.probe_behind]
             if idle:
                 new[idle[0]] = 1
+        self.last.update(zip(seq_ids, new))     # a plain probe below does not become the plan to keep
+        n = self.plain_probe_every
+        if n and self.rounds % n == n // 4 and self.rounds % self.probe_every and any(new):   # not on a probe round
+            new = [0] * len(new)
+            self.plain_probes += 1
         self.predicted_tokens = sum(expected_tokens(a, k) for a, k in zip(acc, new))
         catch = sum(t for t, k in zip(behind, new) if k > 0)
         self.predicted_s = self.cost.time_s(new, catch) * (self.cost.unit or 0.0)
-        self.last.update(zip(seq_ids, new))
         return new
 
     def would_speculate(self, rows: int) -> bool:

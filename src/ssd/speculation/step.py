@@ -65,7 +65,7 @@ class SpeculativeStep:
             # taught a chooser that drafting after a plain round is slow, so it stayed plain. A change
             # of K costs cache hits (chains are pre-drafted at the last length): 10% hysteresis
             self.worker_chooser = Chooser(self.k, hysteresis=0.1, probe_every=10**9, cost=CostModel(free_draft=True),
-                                          shares_acceptance=self.chooser)
+                                          shares_acceptance=self.chooser, plain_probe_every=0)
 
     def num_draft(self, s: Sequence) -> int:
         """Draft tokens for this sequence this round: K, capped by the request (speculate, max_draft) and
