@@ -3,6 +3,7 @@ results against a reference in real processes (ops bigger than a slot, uneven wi
 negotiation's fallback to gloo when a rank cannot map the segment, and bounded waits."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -125,7 +126,7 @@ def test_a_rank_that_cannot_map_the_segment_makes_the_group_use_gloo(monkeypatch
         g1.close()
 
 
-def test_gloo_when_not_wanted_and_shm_otherwise(monkeypatch):
+def test_gloo_when_not_wanted_and_shm_otherwise():
     for want, transport in ((False, "gloo"), (True, "shm")):
         g0, g1 = _pair(want=want)
         try:
@@ -169,12 +170,10 @@ def test_a_peer_that_never_arrives_times_out_and_a_dead_one_is_reported_at_once(
             ch2.all_reduce(torch.ones(4))
         assert time.monotonic() - t0 < 5
     finally:
-        import os
-
         os.unlink(path)
 
 
-def test_a_stale_or_foreign_segment_is_refused(tmp_path):
+def test_a_stale_or_foreign_segment_is_refused():
     path, nonce, size = shm.create(2, 4096)
     try:
         with pytest.raises(ValueError, match="nonce differs"):
@@ -182,6 +181,4 @@ def test_a_stale_or_foreign_segment_is_refused(tmp_path):
         with pytest.raises(ValueError, match="wrong size"):
             shm.ShmChannel(path, nonce, size + 1, 1, 2, 1.0)
     finally:
-        import os
-
         os.unlink(path)

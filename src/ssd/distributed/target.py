@@ -77,7 +77,7 @@ class TPTarget:
                 log.warning("tensor_parallel_size=%d x %s threads on %d CPU cores: ranks are not pinned and share "
                             "cores", world, threads or 1, len(available))
         # ranks busy-wait in shared-memory collectives only when each has cores of its own
-        self._spin = bool(groups) or world * (threads or 1) <= len(available)
+        self._spin = bool(groups)
         atexit.register(_close_ref(self))
         try:
             _build_kernels_first(dtype, device)
