@@ -37,7 +37,7 @@ def inputs(qlens, seed=1):
             torch.randn(T, HKV, D, generator=g).half().float())
 
 
-@pytest.mark.parametrize("isa", ["", "portable"])
+@pytest.mark.parametrize("isa", ["", "avx2", "portable"])
 def test_kernel_matches_sdpa_on_the_same_cache(isa, monkeypatch):
     monkeypatch.setenv("SSD_QGEMM_ISA", isa)
     kc, vc = make_cache()

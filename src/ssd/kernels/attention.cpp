@@ -4,8 +4,8 @@
 // Every (query row, KV head) is one task whose arithmetic depends only on that row, its context
 // length and the cache contents: keys are visited in position order, scores and the softmax in
 // fp32 with a fixed exp, so a row's output is bitwise the same whatever its batch mates, its row
-// index, the number of rows of its sequence, or the thread count. Two code paths: AVX-512 and
-// portable C++ (each batch-invariant; they may differ from each other in the last bits).
+// index, the number of rows of its sequence, or the thread count. Three code paths: AVX-512, AVX2
+// and portable C++ (each batch-invariant; they may differ from each other in the last bits).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -110,6 +110,65 @@ SSD_AVX512 void task_avx512(const Job& j, int64_t i, int64_t kvh, std::vector<fl
   }
 }
 
+#define SSD_AVX2 __attribute__((target("avx2,f16c,fma")))
+
+// The AVX-512 task on 8 lanes. D a multiple of 8 and at most 256.
+SSD_AVX2 void task_avx2(const Job& j, int64_t i, int64_t kvh, std::vector<float>& sc) {
+  const int64_t G = j.H / j.Hkv, D = j.D, n = j.nkeys[i], t = j.rows[i], DV = D / 8;
+  const int64_t* sl = j.slots + j.seq[i] * j.L;
+  const int64_t np = (n + 7) / 8 * 8;
+  sc.resize(G * np);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = j.q + (t * j.H + kvh * G + g) * D;
+    __m256 qv[32];
+    for (int64_t v = 0; v < DV; ++v) qv[v] = _mm256_loadu_ps(q + v * 8);
+    float* s = sc.data() + g * np;
+    for (int64_t k = 0; k < n; ++k) {
+      const uint16_t* kp = j.kc + (sl[k] * j.Hkv + kvh) * D;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();     // two chains hide the fma latency
+      int64_t v = 0;
+      for (; v + 2 <= DV; v += 2) {
+        acc0 = _mm256_fmadd_ps(qv[v], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(kp + v * 8))), acc0);
+        acc1 = _mm256_fmadd_ps(qv[v + 1], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(kp + v * 8 + 8))), acc1);
+      }
+      if (v < DV) acc0 = _mm256_fmadd_ps(qv[v], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(kp + v * 8))), acc0);
+      s[k] = ssd_kernels::hsum8(_mm256_add_ps(acc0, acc1)) * j.scale;
+    }
+    for (int64_t k = n; k < np; ++k) s[k] = -INFINITY;
+    __m256 mxv = _mm256_set1_ps(-INFINITY);
+    for (int64_t k = 0; k < np; k += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(s + k));
+    const __m256 mx = _mm256_set1_ps(ssd_kernels::hmax8(mxv));
+    __m256 sumv = _mm256_setzero_ps();
+    for (int64_t k = 0; k < np; k += 8) {
+      __m256 e = ssd_kernels::exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(s + k), mx));
+      if (k + 8 > n) {            // padding lanes (score -inf) contribute exactly 0
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, e);
+        for (int64_t l = n - k; l < 8; ++l) tmp[l] = 0.f;
+        e = _mm256_load_ps(tmp);
+      }
+      _mm256_storeu_ps(s + k, e);
+      sumv = _mm256_add_ps(sumv, e);
+    }
+    const float inv = 1.f / ssd_kernels::hsum8(sumv);
+    __m256 o[32];
+    for (int64_t v = 0; v < DV; ++v) o[v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n; ++k) {
+      const uint16_t* vp = j.vc + (sl[k] * j.Hkv + kvh) * D;
+      const __m256 p = _mm256_set1_ps(s[k]);
+      for (int64_t v = 0; v < DV; ++v)
+        o[v] = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(vp + v * 8))), o[v]);
+    }
+    float* out = j.out + (t * j.H + kvh * G + g) * D;
+    for (int64_t v = 0; v < DV; ++v) _mm256_storeu_ps(out + v * 8, _mm256_mul_ps(o[v], _mm256_set1_ps(inv)));
+  }
+}
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
 bool has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -118,7 +177,7 @@ bool has_avx512() {
 
 }  // namespace
 
-// Fills out[rows[i]] for every listed query row. isa: -1 best, 0 portable, >= 1 AVX-512 if present.
+// Fills out[rows[i]] for every listed query row. isa: -1 best, 0 portable, 1 AVX2, 2 AVX-512 (each if present).
 void paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                           torch::Tensor rows, torch::Tensor seq, torch::Tensor nkeys, torch::Tensor out,
                           double scale, int64_t isa) {
@@ -135,11 +194,13 @@ void paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   for (int64_t i = 0; i < R; ++i)
     TORCH_CHECK(j.nkeys[i] >= 1 && j.nkeys[i] <= j.L, "attention: row ", i, " attends to ", j.nkeys[i],
                 " keys, the slot table has ", j.L);
-  const bool fast = isa != 0 && D % 16 == 0 && D <= 256 && has_avx512();
+  const bool fast = isa != 0 && isa != 1 && D % 16 == 0 && D <= 256 && has_avx512();
+  const bool avx2 = !fast && isa != 0 && D % 8 == 0 && D <= 256 && has_avx2();
   at::parallel_for(0, R * Hkv, 1, [&](int64_t a, int64_t b) {
     std::vector<float> sc;
     for (int64_t w = a; w < b; ++w) {
       if (fast) task_avx512(j, w / Hkv, w % Hkv, sc);
+      else if (avx2) task_avx2(j, w / Hkv, w % Hkv, sc);
       else task_portable(j, w / Hkv, w % Hkv, sc);
     }
   });

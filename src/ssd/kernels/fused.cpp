@@ -120,6 +120,27 @@ void silu_mul_avx512(const float* g, const float* u, float* y, int64_t F) {
   if (i < F) silu_mul_portable(g + i, u + i, y + i, F - i);
 }
 
+__attribute__((target("avx2,fma")))
+void silu_mul_avx2(const float* g, const float* u, float* y, int64_t F) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= F; i += 8) {
+    __m256 gv = _mm256_loadu_ps(g + i);
+    __m256 e = ssd_kernels::exp_nonpos8(_mm256_sub_ps(zero, _mm256_andnot_ps(sign, gv)));
+    __m256 den = _mm256_add_ps(one, e);
+    __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(gv, zero, _CMP_GE_OQ));
+    __m256 sig = _mm256_div_ps(num, den);
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+  }
+  if (i < F) silu_mul_portable(g + i, u + i, y + i, F - i);
+}
+
+bool fused_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
 bool fused_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
@@ -135,10 +156,12 @@ torch::Tensor silu_mul(torch::Tensor gu, int64_t isa) {
   auto y = torch::empty({T, F}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool fast = isa != 0 && fused_avx512();
+  const bool fast = isa != 0 && isa != 1 && fused_avx512();
+  const bool avx2 = !fast && isa != 0 && fused_avx2();
   at::parallel_for(0, T, 4, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
       if (fast) silu_mul_avx512(gp + t * 2 * F, gp + t * 2 * F + F, yp + t * F, F);
+      else if (avx2) silu_mul_avx2(gp + t * 2 * F, gp + t * 2 * F + F, yp + t * F, F);
       else silu_mul_portable(gp + t * 2 * F, gp + t * 2 * F + F, yp + t * F, F);
     }
   });

@@ -94,7 +94,7 @@ inline int code_at(const uint8_t* blk, int bits, int c, int k) {
 
 inline int64_t block_bytes(int64_t bits) { return bits == 8 ? 512 : bits == 6 ? 384 : 256; }
 
-// ---------------------------------------------------------------- portable path (also AVX2)
+// ---------------------------------------------------------------- portable path
 #define SSD_GENERIC_TILE_BODY                                                                    \
   {                                                                                              \
     const int64_t nb = p.K / BLK, nsb = p.K / p.SB, nsub = p.K / p.SUB;                          \
@@ -140,8 +140,120 @@ inline int64_t block_bytes(int64_t bits) { return bits == 8 ? 512 : bits == 6 ? 
 
 void tile_portable(const Params& p, const Acts& a, int64_t t, int64_t M, float* y) SSD_GENERIC_TILE_BODY
 
-__attribute__((target("avx2,fma,f16c")))
-void tile_avx2(const Params& p, const Acts& a, int64_t t, int64_t M, float* y) SSD_GENERIC_TILE_BODY
+// ---------------------------------------------------------------- AVX2 path
+// The same layout read as two halves of 8 columns (32 of each 64-byte code vector). AVX2 has no
+// u8 x s8 dot into int32: vpmaddubsw sums code pairs into int16 and vpmaddwd widens. The int16 sums
+// stay in range: a 4-bit pair is at most 2*15*127, so 8 of them fit; a 6-bit pair 2*63*127, so 2;
+// 8-bit codes (Q8_0: code - 128 in [-128, 127]) use the sign trick, |code - 128| * (x * sign), one
+// pair at most 2*128*127, and the 128 * sum(x) they leave out goes into the integer start value.
+// The integers are exact, so every float operation sees the same values as on the other paths.
+#define SSD_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+constexpr int RB2 = 4;   // rows per register block (AVX2 has 16 vector registers)
+
+SSD_AVX2 inline __m256 load_scales8(const uint16_t* d) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
+}
+
+SSD_AVX2 inline __m256 load_int8_as_float8(const int8_t* v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)v)));
+}
+
+template <int SUB, int BITS, bool SYM, int R>
+SSD_AVX2 void rows_avx2(const Params& p, const Acts& a, int64_t t, int half, int64_t r0, float* y) {
+  constexpr int PER = BLK / SUB, GPS = SUB / 4;
+  constexpr int64_t CB = BITS == 8 ? 512 : BITS == 6 ? 384 : 256;
+  constexpr int CHUNK = BITS == 4 ? 8 : BITS == 6 ? 2 : 1;     // int16 pair sums before widening
+  const int64_t nb = p.K / BLK, nsb = p.K / p.SB, nsub = p.K / SUB;
+  const int off = half * 32, col_off = half * 8;
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  const int32_t start = BITS == 8 ? 128 - (int32_t)p.sym : -(int32_t)p.sym;
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 dS = _mm256_setzero_ps(), dO = _mm256_setzero_ps();
+  int64_t cur_sb = -1;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = p.codes + (t * nb + b) * CB + off;
+    __m256i cv[8];
+    if (BITS == 8) {
+      for (int g = 0; g < 8; ++g) cv[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + g * 64)), flip);
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(blk + g * 64));
+        cv[g] = _mm256_and_si256(v, lo4);
+        cv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      }
+      if (BITS == 6) {
+        for (int h = 0; h < 2; ++h) {
+          __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 256 + h * 64));
+          cv[4 * h + 0] = _mm256_or_si256(cv[4 * h + 0], _mm256_and_si256(_mm256_slli_epi16(v, 4), hi2));
+          cv[4 * h + 1] = _mm256_or_si256(cv[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), hi2));
+          cv[4 * h + 2] = _mm256_or_si256(cv[4 * h + 2], _mm256_and_si256(v, hi2));
+          cv[4 * h + 3] = _mm256_or_si256(cv[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), hi2));
+        }
+      }
+    }
+    const int64_t sbi = (b * BLK) / p.SB;
+    if (sbi != cur_sb) {
+      dS = load_scales8(p.dS + (t * nsb + sbi) * TILE + col_off);
+      dO = load_scales8(p.dO + (t * nsb + sbi) * TILE + col_off);
+      cur_sb = sbi;
+    }
+    for (int s = 0; s < PER; ++s) {
+      const int64_t si = b * PER + s;
+      const __m256 S = p.sc ? _mm256_mul_ps(dS, load_int8_as_float8(p.sc + (t * nsub + si) * TILE + col_off)) : dS;
+      const __m256 O = p.mn ? _mm256_mul_ps(dO, load_int8_as_float8(p.mn + (t * nsub + si) * TILE + col_off)) : dO;
+      for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        const int8_t* xp = a.xq + r * p.K + b * BLK + s * SUB;
+        __m256i idot = SYM || BITS == 8 ? _mm256_set1_epi32(start * a.xs[r * nsub + si]) : _mm256_setzero_si256();
+        for (int g0 = 0; g0 < GPS; g0 += CHUNK) {
+          __m256i s16 = _mm256_setzero_si256();
+          for (int g = g0; g < g0 + CHUNK && g < GPS; ++g) {
+            int32_t x4;
+            std::memcpy(&x4, xp + g * 4, 4);
+            const __m256i xb = _mm256_set1_epi32(x4);
+            const __m256i w = cv[s * GPS + g];
+            const __m256i pr = BITS == 8 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xb, w))
+                                         : _mm256_maddubs_epi16(w, xb);
+            s16 = _mm256_add_epi16(s16, pr);
+          }
+          idot = _mm256_add_epi32(idot, _mm256_madd_epi16(s16, ones));
+        }
+        const __m256 f = _mm256_mul_ps(S, _mm256_set1_ps(a.dx[r * nb + b]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot), f, acc[i]);
+        if (!SYM) acc[i] = _mm256_fmadd_ps(O, _mm256_set1_ps(a.xsd[r * nsub + si]), acc[i]);
+      }
+    }
+  }
+  const int64_t col0 = t * TILE + col_off;
+  const int ncol = (int)std::min<int64_t>(8, p.N - col0);
+  for (int i = 0; i < R; ++i) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[i]);
+    float* yr = y + (r0 + i) * p.N + col0;
+    for (int c = 0; c < ncol; ++c) yr[c] = p.bias ? out[c] + p.bias[col0 + c] : out[c];
+  }
+}
+
+template <int SUB, int BITS, bool SYM>
+SSD_AVX2 void tile_avx2(const Params& p, const Acts& a, int64_t t, int64_t M, float* y) {
+  static_assert(RB2 <= 6, "the remainder cases below cover up to 5 rows");
+  for (int half = 0; half < 2; ++half) {
+    if (t * TILE + half * 8 >= p.N) break;
+    int64_t r0 = 0;
+    for (; r0 + RB2 <= M; r0 += RB2) rows_avx2<SUB, BITS, SYM, RB2>(p, a, t, half, r0, y);
+    switch (M - r0) {
+      case 1: rows_avx2<SUB, BITS, SYM, 1>(p, a, t, half, r0, y); break;
+      case 2: rows_avx2<SUB, BITS, SYM, 2>(p, a, t, half, r0, y); break;
+      case 3: rows_avx2<SUB, BITS, SYM, 3>(p, a, t, half, r0, y); break;
+      case 4: rows_avx2<SUB, BITS, SYM, 4>(p, a, t, half, r0, y); break;
+      case 5: rows_avx2<SUB, BITS, SYM, 5>(p, a, t, half, r0, y); break;
+      default: break;
+    }
+  }
+}
 
 // ---------------------------------------------------------------- AVX-512 VNNI path
 #define SSD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
@@ -259,7 +371,7 @@ int best_isa() {
 
 using TileFn = void (*)(const Params&, const Acts&, int64_t, int64_t, float*);
 
-TileFn pick(int isa, int64_t SUB, int64_t bits) {
+TileFn pick(int isa, int64_t SUB, int64_t bits, int64_t sym) {
   if (isa == ISA_AVX512) {
     if (SUB == 32 && bits == 6) return tile_avx512<32, 6>;
     if (SUB == 16 && bits == 6) return tile_avx512<16, 6>;
@@ -268,7 +380,15 @@ TileFn pick(int isa, int64_t SUB, int64_t bits) {
     if (SUB == 16 && bits == 4) return tile_avx512<16, 4>;
     if (SUB == 16 && bits == 8) return tile_avx512<16, 8>;
   }
-  return isa == ISA_AVX2 ? tile_avx2 : tile_portable;
+  if (isa == ISA_AVX2) {     // sym > 0: no min term; sym == 0: no integer offset
+    if (SUB == 32 && bits == 6) return sym ? tile_avx2<32, 6, true> : tile_avx2<32, 6, false>;
+    if (SUB == 16 && bits == 6) return sym ? tile_avx2<16, 6, true> : tile_avx2<16, 6, false>;
+    if (SUB == 32 && bits == 4) return sym ? tile_avx2<32, 4, true> : tile_avx2<32, 4, false>;
+    if (SUB == 32 && bits == 8) return sym ? tile_avx2<32, 8, true> : tile_avx2<32, 8, false>;
+    if (SUB == 16 && bits == 4) return sym ? tile_avx2<16, 4, true> : tile_avx2<16, 4, false>;
+    if (SUB == 16 && bits == 8) return sym ? tile_avx2<16, 8, true> : tile_avx2<16, 8, false>;
+  }
+  return tile_portable;
 }
 
 }  // namespace
@@ -317,7 +437,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor dS, torc
   });
   Acts a{xqp, dxp, xsdp, xsp};
   if (isa < 0 || isa > best_isa()) isa = best_isa();
-  TileFn fn = pick((int)isa, SUB, bits);
+  TileFn fn = pick((int)isa, SUB, bits, sym);
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) fn(p, a, t, M, yp);
