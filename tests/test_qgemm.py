@@ -96,10 +96,11 @@ def test_code_paths_are_bitwise_equal(ops, fmt):
     N, K = 40, 768
     _, q = unpacked(fmt, N, K, seed=2)
     P = gp.pack(q)
-    x = torch.randn(7, K) * 3
-    ref = run(ops, P, x, isa=0)                        # portable C++
-    for isa in range(1, best + 1):
-        assert torch.equal(run(ops, P, x, isa=isa), ref), f"isa {isa} differs from the portable path"
+    for M in (1, 7, 20):                               # AVX2: one row, rows on the stack, rows on the heap
+        x = torch.randn(M, K) * 3
+        ref = run(ops, P, x, isa=0)                    # portable C++
+        for isa in range(1, best + 1):
+            assert torch.equal(run(ops, P, x, isa=isa), ref), f"isa {isa} differs from the portable path (M={M})"
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
