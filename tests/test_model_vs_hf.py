@@ -84,8 +84,28 @@ def test_fbgemm_int8_path_close_to_fp32(tiny_hf):
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float()
     out = run_chunks(ours, tokens, [20, 1, 6])
-    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+    from ssd.layers.linear import int8_reduce_range
+
+    # without VNNI, FBGEMM's activations are 7-bit (int16 saturation otherwise, see int8_reduce_range);
+    # their rounding error is twice as large, and these tiny random models amplify it
+    assert (out - ref).abs().max() < (0.25 if int8_reduce_range() else 0.1) * ref.abs().max()
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_fbgemm_int8_layer_error_and_the_7_bit_activations():
+    """One int8 layer is within ~1-2% of fp32 with the activation range this CPU needs; on a CPU
+    without VNNI full-range activations saturate (the negative control: far worse)."""
+    from ssd.layers.linear import Linear, int8_reduce_range
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(128, 64, generator=g), torch.randn(5, 64, generator=g) * 3
+    lin = Linear(w, None, "int8", torch.float32)
+    ref = x @ w.T
+    err = lambda rr: ((torch.ops.quantized.linear_dynamic(x, lin._packed, rr) - ref).abs().max()  # noqa: E731
+                      / ref.abs().max()).item()
+    assert err(int8_reduce_range()) < 0.03
+    if int8_reduce_range():
+        assert err(False) > 0.05
 
 
 def test_draft_dtype_default_is_int8_only_for_auto_on_cpu():

@@ -11,6 +11,8 @@ error per layer), so it is meant for the draft, whose numerics cannot change wha
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -28,6 +30,19 @@ def _quantize_rows_int8(w: torch.Tensor):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")     # torch marks the quantized tensor API deprecated; FBGEMM needs it
         return torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+
+
+@functools.lru_cache(maxsize=1)
+def int8_reduce_range() -> bool:
+    """FBGEMM's int8 GEMM on a CPU without VNNI multiplies u8 activations by s8 weights with
+    vpmaddubsw, whose int16 pair sums saturate at full-range activations (logits off by ~40% on
+    an AVX2-only EPYC, tested): quantize activations to 7 bits there, as PyTorch's x86 observers do."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return True
+    return not ("avx512_vnni" in flags or "avx_vnni" in flags)
 
 
 class Linear(nn.Module):
@@ -54,7 +69,7 @@ class Linear(nn.Module):
         if self.backend == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         if self.backend == "int8":
-            return torch.ops.quantized.linear_dynamic(x, self._packed, False)
+            return torch.ops.quantized.linear_dynamic(x, self._packed, int8_reduce_range())
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def weight_bytes(self) -> int:
