@@ -158,6 +158,31 @@ SSD_AVX2 inline __m256 load_int8_as_float8(const int8_t* v) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)v)));
 }
 
+// The 8 code vectors (8 columns x 4 codes, one byte each) of one half of a block; 8-bit codes
+// come back as code - 128 (signed).
+template <int BITS>
+SSD_AVX2 inline void decode_half(const uint8_t* bh, __m256i cv[8]) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30), flip = _mm256_set1_epi8((char)0x80);
+  if (BITS == 8) {
+    for (int g = 0; g < 8; ++g) cv[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(bh + g * 64)), flip);
+    return;
+  }
+  for (int g = 0; g < 4; ++g) {
+    __m256i v = _mm256_loadu_si256((const __m256i*)(bh + g * 64));
+    cv[g] = _mm256_and_si256(v, lo4);
+    cv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+  }
+  if (BITS == 6) {             // bits 4..5: vector 4h+i sits at bit pair i of plane h
+    for (int h = 0; h < 2; ++h) {
+      __m256i v = _mm256_loadu_si256((const __m256i*)(bh + 256 + h * 64));
+      cv[4 * h + 0] = _mm256_or_si256(cv[4 * h + 0], _mm256_and_si256(_mm256_slli_epi16(v, 4), hi2));
+      cv[4 * h + 1] = _mm256_or_si256(cv[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), hi2));
+      cv[4 * h + 2] = _mm256_or_si256(cv[4 * h + 2], _mm256_and_si256(v, hi2));
+      cv[4 * h + 3] = _mm256_or_si256(cv[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), hi2));
+    }
+  }
+}
+
 // R rows with their codes in registers (tile_avx2 uses it for a single row).
 template <int SUB, int BITS, bool SYM, int R = 1>
 SSD_AVX2 void row_avx2(const Params& p, const Acts& a, int64_t t, int half, int64_t r0, float* y) {
@@ -166,8 +191,7 @@ SSD_AVX2 void row_avx2(const Params& p, const Acts& a, int64_t t, int half, int6
   constexpr int CHUNK = BITS == 4 ? 8 : BITS == 6 ? 2 : 1;     // int16 pair sums before widening
   const int64_t nb = p.K / BLK, nsb = p.K / p.SB, nsub = p.K / SUB;
   const int off = half * 32, col_off = half * 8;
-  const __m256i lo4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
-  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   const int32_t start = BITS == 8 ? 128 - (int32_t)p.sym : -(int32_t)p.sym;
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
@@ -176,24 +200,7 @@ SSD_AVX2 void row_avx2(const Params& p, const Acts& a, int64_t t, int half, int6
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = p.codes + (t * nb + b) * CB + off;
     __m256i cv[8];
-    if (BITS == 8) {
-      for (int g = 0; g < 8; ++g) cv[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + g * 64)), flip);
-    } else {
-      for (int g = 0; g < 4; ++g) {
-        __m256i v = _mm256_loadu_si256((const __m256i*)(blk + g * 64));
-        cv[g] = _mm256_and_si256(v, lo4);
-        cv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-      }
-      if (BITS == 6) {
-        for (int h = 0; h < 2; ++h) {
-          __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 256 + h * 64));
-          cv[4 * h + 0] = _mm256_or_si256(cv[4 * h + 0], _mm256_and_si256(_mm256_slli_epi16(v, 4), hi2));
-          cv[4 * h + 1] = _mm256_or_si256(cv[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), hi2));
-          cv[4 * h + 2] = _mm256_or_si256(cv[4 * h + 2], _mm256_and_si256(v, hi2));
-          cv[4 * h + 3] = _mm256_or_si256(cv[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), hi2));
-        }
-      }
-    }
+    decode_half<BITS>(blk, cv);
     const int64_t sbi = (b * BLK) / p.SB;
     if (sbi != cur_sb) {
       dS = load_scales8(p.dS + (t * nsb + sbi) * TILE + col_off);
@@ -245,8 +252,7 @@ SSD_AVX2 void tile_avx2_all(const Params& p, const Acts& a, int64_t t, int64_t M
   constexpr int64_t CB = BITS == 8 ? 512 : BITS == 6 ? 384 : 256;
   constexpr int CHUNK = BITS == 4 ? 8 : BITS == 6 ? 2 : 1;
   const int64_t nb = p.K / BLK, nsb = p.K / p.SB, nsub = p.K / SUB;
-  const __m256i lo4 = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
-  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   const int32_t start = BITS == 8 ? 128 - (int32_t)p.sym : -(int32_t)p.sym;
   alignas(32) float acc_small[16 * TILE];
   std::vector<float> acc_big;
@@ -264,24 +270,7 @@ SSD_AVX2 void tile_avx2_all(const Params& p, const Acts& a, int64_t t, int64_t M
     for (int h = 0; h < 2; ++h) {
       const uint8_t* bh = blk + h * 32;
       __m256i cv[8];
-      if (BITS == 8) {
-        for (int g = 0; g < 8; ++g) cv[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(bh + g * 64)), flip);
-      } else {
-        for (int g = 0; g < 4; ++g) {
-          __m256i v = _mm256_loadu_si256((const __m256i*)(bh + g * 64));
-          cv[g] = _mm256_and_si256(v, lo4);
-          cv[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-        }
-        if (BITS == 6) {
-          for (int q = 0; q < 2; ++q) {
-            __m256i v = _mm256_loadu_si256((const __m256i*)(bh + 256 + q * 64));
-            cv[4 * q + 0] = _mm256_or_si256(cv[4 * q + 0], _mm256_and_si256(_mm256_slli_epi16(v, 4), hi2));
-            cv[4 * q + 1] = _mm256_or_si256(cv[4 * q + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), hi2));
-            cv[4 * q + 2] = _mm256_or_si256(cv[4 * q + 2], _mm256_and_si256(v, hi2));
-            cv[4 * q + 3] = _mm256_or_si256(cv[4 * q + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), hi2));
-          }
-        }
-      }
+      decode_half<BITS>(bh, cv);
       for (int g = 0; g < 8; ++g) _mm256_store_si256((__m256i*)(dec[g] + h * 32), cv[g]);
     }
     const int64_t sbi = (b * BLK) / p.SB;
