@@ -62,3 +62,18 @@ def test_ssd_worker_on_cuda_equals_ar(tiny_pair, ar_cpu, target_device):
         assert all(len(o.token_ids) == 20 for o in sampled)
     finally:
         llm.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel on CUDA needs two GPUs (NCCL refuses "
+                    "two ranks on one); no machine of this workplace has had two")
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_tensor_parallel_on_two_gpus_over_nccl_equals_cpu(tiny_pair, ar_cpu, mode):
+    target, draft = tiny_pair
+    kw = dict(mode="sd", draft=str(draft), k=3) if mode == "sd" else {}
+    llm = LLM(str(target), device="cuda:0", dtype="float32", progress=False, tensor_parallel_size=2, **kw)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_cpu
+        stats = llm.tensor_parallel_stats()
+        assert stats["transport"] == "nccl" and all(r["allreduces"] > 0 for r in stats["ranks"])
+    finally:
+        llm.close()

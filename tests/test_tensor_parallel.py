@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
+from ssd.distributed.devices import collective_backend, remote_rank_device, spawned_rank_devices
 from ssd.distributed.group import TensorParallelError, decode_batch, encode_batch
 from ssd.distributed.sharding import ShardingError, head_split, plan, split_even, split_units, vocab_split
 from ssd.distributed.target import rank_cores
@@ -95,6 +96,31 @@ def test_rank_cores_and_batch_encoding():
     t, p, q, c, rows = decode_batch(encode_batch([7, 8, 9], [1, 2, 0], [2, 1], slots, [1, 2]))
     assert (t, p, q, rows) == ([7, 8, 9], [1, 2, 0], [2, 1], [1, 2]) and [x.tolist() for x in c] == [[4, 5, 6], [9]]
     assert decode_batch(encode_batch([7], [0], [1], [torch.tensor([3])]))[4] == []
+
+
+def test_rank_devices_one_gpu_per_rank_or_a_clear_error():
+    assert spawned_rank_devices("cpu", 3, 0) == ["cpu"] * 3
+    assert spawned_rank_devices("cuda", 2, 2) == ["cuda:0", "cuda:1"]
+    assert spawned_rank_devices("cuda:1", 3, 4) == ["cuda:1", "cuda:2", "cuda:3"]
+    with pytest.raises(ValueError, match=r"needs GPUs cuda:1..cuda:3 .* this host has 3"):
+        spawned_rank_devices("cuda:1", 3, 3)
+    with pytest.raises(ValueError, match="needs GPUs cuda:0..cuda:1"):
+        spawned_rank_devices("cuda", 2, 1)                     # NCCL refuses two ranks on one GPU
+    assert remote_rank_device("cpu", 5, 0) == "cpu"
+    assert [remote_rank_device("cuda:3", r, 2) for r in (1, 2, 3)] == ["cuda:1", "cuda:0", "cuda:1"]
+    with pytest.raises(ValueError, match="this host has no CUDA GPU"):
+        remote_rank_device("cuda", 1, 0)
+    with pytest.raises(ValueError, match="'cpu' or 'cuda"):
+        spawned_rank_devices("mps", 2, 0)
+    assert (collective_backend("cpu"), collective_backend("cuda:2")) == ("gloo", "nccl")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_tensor_parallel_on_cuda_without_cuda_names_cuda():
+    from ssd import EngineConfig
+
+    with pytest.raises(ValueError, match="CUDA is not available"):      # not "TP is CPU only"
+        EngineConfig(model="t", device="cuda", tensor_parallel_size=2)
 
 
 # ---- models and engines --------------------------------------------------------------------------

@@ -91,9 +91,11 @@ class EngineConfig:
             raise ValueError(f"auto_ssd lets mode 'auto' choose SSD rounds; it does not apply to mode {self.mode!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.device != "cpu":
-            raise ValueError(f"tensor_parallel_size > 1 runs CPU ranks over gloo; device {self.device!r} is not "
-                             "supported with it: use device='cpu' or tensor_parallel_size=1")
+        if self.tensor_parallel_size > 1 and self.tp_host is None and str(self.device).startswith("cuda"):
+            from ssd.distributed.devices import spawned_rank_devices
+            import torch
+
+            spawned_rank_devices(self.device, self.tensor_parallel_size, torch.cuda.device_count())  # one GPU a rank
         if self.tp_host is not None and self.tensor_parallel_size == 1:
             raise ValueError("tp_host waits for tensor-parallel ranks; it needs tensor_parallel_size > 1")
         if self.tp_transport not in ("auto", "gloo"):

@@ -20,6 +20,11 @@ Ranks on one host use a shared-memory segment instead (ssd/distributed/shm.py, n
 `negotiate_shm`): the commands, their payloads and every collective of a step then go through it and
 gloo only carries the set-up and the shutdown. `transport` says which one a group uses.
 
+Ranks on CUDA GPUs (one each, ssd/distributed/devices.py) run the all-reduces and the logits gather
+over a third group, NCCL (`nccl`), on their device tensors; commands and stats stay on the CPU as
+above. NOT RUN ON A GPU BY OUR TESTS: this workplace has lent at most one GPU, and NCCL refuses two
+ranks on one device; tests/test_cuda.py has the check for a host with two or more.
+
 Time spent in collectives (all-reduces and logits gathers) is accumulated per rank (`comm_s`; counts
 `reduces`, `gathers`) for the bench.
 """
@@ -51,6 +56,20 @@ def make_store(host: str, port: int, rank: int, world: int, timeout_s: float) ->
                          wait_for_workers=False)
 
 
+def _nccl(store: dist.Store, rank: int, world: int, timeout: timedelta, device: torch.device):
+    """The collectives of ranks on CUDA GPUs (NCCL enforces `timeout` by aborting the process)."""
+    if not dist.is_nccl_available():
+        raise TensorParallelError("tensor parallel on CUDA needs NCCL, which this torch build lacks: install a "
+                                  "CUDA build of torch, or run the target on device='cpu'")
+    torch.cuda.set_device(device)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+    if hasattr(pg, "_set_sequence_number_for_group"):
+        pg._set_sequence_number_for_group()
+    return pg
+
+
 def _gloo(store: dist.Store, rank: int, world: int, timeout: timedelta, address: str | None):
     if address is None:
         return dist.ProcessGroupGloo(store, rank, world, timeout)
@@ -63,12 +82,18 @@ def _gloo(store: dist.Store, rank: int, world: int, timeout: timedelta, address:
 
 
 class TPGroup:
-    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float, address: str | None = None):
-        """address: this rank's address on the link, for gloo to bind to (None: gloo's default)."""
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float, address: str | None = None,
+                 device: torch.device | str = "cpu"):
+        """address: this rank's address on the link, for gloo to bind to (None: gloo's default);
+        device: this rank's compute device (CUDA: the collectives run over NCCL)."""
         self.store, self.rank, self.world = store, rank, world
         self.cmd = _gloo(dist.PrefixStore("tp-cmd", store), rank, world, IDLE_TIMEOUT, address)
         self.step = _gloo(dist.PrefixStore("tp-step", store), rank, world, timedelta(seconds=timeout_s), address)
         self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device(device)
+        self.nccl = None
+        if self.device.type == "cuda":
+            self.nccl = _nccl(dist.PrefixStore("tp-nccl", store), rank, world, self.timeout, self.device)
         self.comm_s = 0.0
         self.reduces = 0
         self.gathers = 0
@@ -80,19 +105,23 @@ class TPGroup:
 
     @property
     def transport(self) -> str:
-        return "gloo" if self.shm is None else "shm"
+        """What carries the collectives: "nccl", "shm" or "gloo"."""
+        return "nccl" if self.nccl is not None else "gloo" if self.shm is None else "shm"
 
     @property
     def wait_s(self) -> float:
         """Of comm_s, the time spent waiting for a slower peer to arrive (shared memory only: gloo's
-        wait and wire time are not told apart; -1 then)."""
-        return -1.0 if self.shm is None else self.shm.wait_s
+        wait and wire time are not told apart; -1 then). Over NCCL comm_s is the host's launch time
+        only (the collectives run asynchronously on the GPU)."""
+        return -1.0 if self.shm is None or self.nccl is not None else self.shm.wait_s
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks (fp32 on the wire for 16-bit activations)."""
         t0, w0 = time.perf_counter(), self.wait_s
         buf = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
-        if self.shm is not None:
+        if self.nccl is not None:
+            self.nccl.allreduce([buf]).wait()
+        elif self.shm is not None:
             self.shm.all_reduce(buf)
         else:
             self.step.allreduce([buf]).wait()
@@ -115,7 +144,10 @@ class TPGroup:
         t0, w0 = time.perf_counter(), self.wait_s
         buf = t.new_zeros((t.shape[0], max(widths)), dtype=torch.float32)
         buf[:, :t.shape[1]] = t
-        if self.shm is not None:
+        if self.nccl is not None:       # every rank gets the columns (NCCL's all-gather); rank 0 uses them
+            out = [torch.empty_like(buf) for _ in range(self.world)]
+            self.nccl.allgather([out], [buf]).wait()
+        elif self.shm is not None:
             out = self.shm.gather(buf) or []
         else:
             out = [torch.empty_like(buf) for _ in range(self.world)] if self.rank == 0 else []
@@ -165,7 +197,9 @@ class TPGroup:
         self.closed = True
         if self.shm is not None:
             self.shm.close()
-        for g in (self.step, self.cmd):
+        for g in (self.nccl, self.step, self.cmd):
+            if g is None:
+                continue
             try:
                 g.shutdown()
             except Exception:       # noqa: BLE001 - best effort at exit

@@ -97,7 +97,12 @@ def serve(host: str, port: int, rank: int, world: int, model: str | None = None,
                              f"runs tensor_parallel_size={conf['world']}")
         if not 0 < rank < world:
             raise ValueError(f"--rank must be in [1, {world - 1}] (rank 0 is the engine), got {rank}")
-        dev = torch.device(device or conf["device"])
+        from ssd.distributed.devices import remote_rank_device
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        dev = torch.device(device or remote_rank_device(conf["device"], rank, gpus))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         reducer = Reducer()
         loaded = load_model(model or conf["model"], conf["dtype"], dev, conf["max_positions"], False,
                             shard=(rank, world), reduce=reducer, gather=reducer.gather)
@@ -109,7 +114,7 @@ def serve(host: str, port: int, rank: int, world: int, model: str | None = None,
     store.set(ready_key(rank), str(os.getpid()))
     from ssd.speculation.worker.transport import local_address
 
-    group = TPGroup(store, rank, world, conf["timeout_s"], local_address(host, port))
+    group = TPGroup(store, rank, world, conf["timeout_s"], local_address(host, port), device=dev)
     negotiate_shm(group)
     if group.shm is not None:
         group.shm.idle_check = _engine_alive(store)
@@ -155,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--model", default=None, help="the model's path on this host (default: the engine's)")
-    p.add_argument("--device", default=None, help="default: the engine's device")
+    p.add_argument("--device", default=None,
+                   help="default: 'cpu' for a CPU engine; for a CUDA engine cuda:(RANK mod this host's GPU count)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cores", default=None, help="comma-separated CPU cores to pin this rank to")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the engine at start-up")

@@ -53,6 +53,12 @@ class TPTarget:
 
         if transport not in ("auto", "gloo"):
             raise ValueError(f"tensor-parallel transport must be 'auto' or 'gloo', got {transport!r}")
+        from ssd.distributed.devices import spawned_rank_devices
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # ranks started here take the GPUs after rank 0's; by hand (listen), each picks its own
+        self.devices = spawned_rank_devices(device, 1 if listen else world, gpus)
+        device = self.devices[0]
         self.world, self.timeout_s, self.transport = world, timeout_s, transport
         self.procs: dict[int, LoggedChild] = {}
         self.group: TPGroup | None = None
@@ -83,7 +89,8 @@ class TPTarget:
             _build_kernels_first(dtype, device)
             if listen is None:
                 for r in range(1, world):
-                    self.procs[r] = self._spawn(r, host, port, groups[r] if groups else None, threads)
+                    self.procs[r] = self._spawn(r, host, port, groups[r] if groups else None, threads,
+                                                self.devices[r])
             else:
                 log.info("tensor parallel: waiting for ranks 1..%d: start each with `ssd tp-rank --connect "
                          "HOST:%d --rank R --world-size %d`", world - 1, port, world)
@@ -98,9 +105,10 @@ class TPTarget:
             self.close()
             raise
 
-    def _spawn(self, rank: int, host: str, port: int, cores: list[int] | None, threads: int | None):
+    def _spawn(self, rank: int, host: str, port: int, cores: list[int] | None, threads: int | None, device: str):
         cmd = [sys.executable, "-m", "ssd.distributed.rank", "--connect", f"{host}:{port}", "--rank", str(rank),
-               "--world-size", str(self.world), "--timeout", str(self.timeout_s), "--parent-pid", str(os.getpid())]
+               "--world-size", str(self.world), "--timeout", str(self.timeout_s), "--parent-pid", str(os.getpid()),
+               "--device", device]
         if cores:
             cmd += ["--cores", ",".join(map(str, cores))]
         if threads or cores:
@@ -144,7 +152,8 @@ class TPTarget:
 
         def join():
             try:
-                self.group = TPGroup(self.store, 0, self.world, self.timeout_s, self.address.rsplit(":", 1)[0])
+                self.group = TPGroup(self.store, 0, self.world, self.timeout_s, self.address.rsplit(":", 1)[0],
+                                     device=self.devices[0])
                 negotiate_shm(self.group, want=self.transport == "auto", spin=self._spin)
                 if self.group.shm is not None:
                     self.group.shm.peer_check = self._raise_if_a_rank_exited
