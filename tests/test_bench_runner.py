@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -255,6 +256,9 @@ def test_interleaved_batch_sweep(tiny_pair, tmp_path, monkeypatch):
     assert cells == [("ar", 1), ("ar", 2), ("sd", 1), ("sd", 2), ("auto", 1), ("auto", 2)]
     assert all(r["matches_ar"] == 1.0 for r in res["runs"] if r["mode"] != "ar")
     assert all(r["num_prompts"] == 2 for r in res["runs"])
+    # one decode rate per batch of prompts, for the paired auto-vs-best interval
+    assert [len(r["batch_decode_tokens_per_s"]) for r in res["runs"]] == [2, 1] * 3
+    assert all(x > 0 for r in res["runs"] for x in r["batch_decode_tokens_per_s"])
     assert res["config"]["interleaved"] is True and res["config"]["batch_size"] == [1, 2]
     assert set(res["summary_by_batch_size"]) == {"1", "2"} and "summary" not in res
     auto = [r for r in res["runs"] if r["mode"] == "auto"]
@@ -276,6 +280,28 @@ def test_auto_vs_best_picks_the_best_fixed_cell():
                               ("auto", "auto k<=4", 13.3), ("hf", "hf", 99.0)]]
     (row,) = auto_vs_best(runs)
     assert row["best_fixed"] == "sd k=2" and row["auto_vs_best"] == pytest.approx(0.95)   # peers are not ours
+
+
+def test_paired_ratio_and_its_verdict():
+    from ssd.bench.summary import auto_vs_best, goal_verdict, paired_ratio
+
+    p = paired_ratio([9.0, 11.0, 10.0], [10.0, 10.0, 10.0])
+    logs = [math.log(0.9), math.log(1.1), 0.0]
+    m = sum(logs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
+    assert p["n"] == 3 and p["ratio"] == pytest.approx(math.exp(m))
+    assert p["lo"] == pytest.approx(math.exp(m - 2.920 * sd / math.sqrt(3)))     # t(0.95, 2 df)
+    assert p["hi"] == pytest.approx(math.exp(m + 2.920 * sd / math.sqrt(3)))
+    assert goal_verdict(p) == "within noise"
+    assert goal_verdict(paired_ratio([10.0, 10.2, 9.9, 10.1], [10.0] * 4)) == "met"
+    assert goal_verdict(paired_ratio([9.0, 9.1, 8.9, 9.05], [10.0] * 4)) == "missed"
+    one = paired_ratio([9.0], [10.0])
+    assert one["ratio"] == pytest.approx(0.9) and one["lo"] is None and goal_verdict(one) == "one batch"
+    assert paired_ratio([1.0, 2.0], [1.0]) is None and paired_ratio(None, [1.0]) is None
+    runs = [{"dataset": "c", "mode": m, "label": m, "batch_size": 1, "decode_tokens_per_s": v,
+             "batch_decode_tokens_per_s": b} for m, v, b in [("ar", 10.0, [10.0, 10.0]), ("auto", 9.0, [9.0, 9.0])]]
+    (row,) = auto_vs_best(runs)
+    assert row["paired"]["n"] == 2 and row["paired"]["ratio"] == pytest.approx(0.9) and row["verdict"] == "missed"
 
 
 def test_mixed_prompt_set_alternates_code_and_chat():

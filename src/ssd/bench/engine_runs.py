@@ -59,6 +59,7 @@ class Cell:
     after: object = None           # ... and right after it (later cells run on the same engine)
     tp_before: dict | None = None  # tensor-parallel timings before the cell (LLM.tensor_parallel_stats)
     tp_after: dict | None = None
+    batches: list = field(default_factory=list)   # per generate() call: (decode tokens, decode seconds)
 
 
 def median(xs: list[float | None]) -> float | None:
@@ -79,9 +80,11 @@ def run_chunk(llm, cell: Cell, chunk: list[list[int]], plist: list) -> None:
     outs = llm.generate(chunk, plist)
     wall = llm.last_stats["wall_s"]
     ttfts = [o.metrics.ttft_s for o in outs if o.metrics.ttft_s is not None]
+    decode_wall = max(wall - (min(ttfts) if ttfts else wall), 0.0)
     cell.wall += wall
-    cell.decode_wall += max(wall - (min(ttfts) if ttfts else wall), 0.0)
+    cell.decode_wall += decode_wall
     cell.outputs += outs
+    cell.batches.append((sum(max(o.metrics.num_generated_tokens - 1, 0) for o in outs), decode_wall))
 
 
 def cell_entry(llm, cell: Cell, dataset: str, batch_size: int, max_tokens: int, desc: str) -> dict:
@@ -106,6 +109,9 @@ def cell_entry(llm, cell: Cell, dataset: str, batch_size: int, max_tokens: int, 
         "tokens_per_s_median": median([m.tokens_per_s for m in metrics]),
         "decode_tokens_per_s": decode_tokens / cell.decode_wall if cell.decode_wall > 0 else None,
         "decode_tokens_per_s_median": median([m.decode_tokens_per_s for m in metrics]),
+        # one value per batch of prompts, in run order: the same batches ran on every configuration, one
+        # right after the other, so auto's and a fixed configuration's values pair up (summary.paired_ratio)
+        "batch_decode_tokens_per_s": [n / w if w > 0 else None for n, w in cell.batches],
         "ttft_ms_median": ttft * 1e3 if ttft is not None else None,
         "acceptance_rate": agg["acceptance_rate"],
         "mean_accepted_len": decode_tokens / rounds if rounds else None,
