@@ -92,8 +92,9 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_size > 1 and self.tp_host is None and str(self.device).startswith("cuda"):
-            from ssd.distributed.devices import spawned_rank_devices
             import torch
+
+            from ssd.distributed.devices import spawned_rank_devices
 
             spawned_rank_devices(self.device, self.tensor_parallel_size, torch.cuda.device_count())  # one GPU a rank
         if self.tp_host is not None and self.tensor_parallel_size == 1:
