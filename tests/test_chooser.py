@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from ssd.speculation.chooser import AcceptanceEstimate, Chooser, CostModel, best_plan, expected_tokens, rate
+from ssd.speculation.chooser import (OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, Chooser, CostModel, best_plan,
+                                     expected_tokens, rate)
 
 
 def model(a=1.0, b=0.1, c=0.3, d=0.03, e=0.1) -> CostModel:
@@ -58,12 +59,35 @@ def test_a_draft_far_behind_is_charged_its_catch_up_over_the_rest_of_the_request
     assert best_plan([0.7], [4], m, behind=[200], remaining=[5000]) != [0]   # for 5000 more: worth it
 
 
+def low_acceptance(ch: Chooser, *seq_ids: int, a: float = 0.1) -> Chooser:
+    """The default model() drafts at acceptance 0.95 but not at `a`: plain steps that probes may revisit."""
+    ch.cost = model()
+    for i in seq_ids:
+        ch.per_seq[i] = AcceptanceEstimate(a, strength=1e6)
+    return ch
+
+
 def test_probes_a_sequence_it_stopped_drafting_for_while_that_is_cheap():
-    ch = Chooser(k=4, probe_every=4)
-    ch.cost = model(b=2.0)                        # drafting never pays: plain steps
+    ch = low_acceptance(Chooser(k=4, probe_every=4), 7)
     plans = [ch.plan([7], [4], behind=[1]) for _ in range(8)]
-    assert plans.count([0]) == 6 and plans[3] == plans[7] == [1]
+    assert plans.count([0]) == 6 and plans[3] == plans[7] == [1] and ch.probes == 2
     assert all(ch.plan([7], [4], behind=[30]) == [0] for _ in range(8))      # far behind: no probe
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_no_probe_where_even_a_high_acceptance_would_not_draft(monkeypatch, control):
+    """Verify rows that cost more than any draft commits (a large batch on a small CPU): a probe could
+    not change the plan, so none is run. Control: probing regardless (as before this check) spends a
+    draft token every probe_every rounds."""
+    if control:
+        monkeypatch.setattr(Chooser, "could_pay", lambda self, *a: True)
+    ch = Chooser(k=4, probe_every=4)
+    ch.cost = model(a=0.2, b=1.0)                 # a step's cost is its rows (a compute-bound CPU batch)
+    assert best_plan([OPTIMISTIC_ACCEPTANCE] * 4, [4] * 4, ch.cost) == [0] * 4     # even 0.95 would not draft
+    ids = [1, 2, 3, 4]
+    plans = [ch.plan(ids, [4] * 4, behind=[1] * 4) for _ in range(16)]
+    drafted = sum(k for p in plans for k in p)
+    assert (drafted, ch.probes, ch.probes_skipped) == ((4, 4, 0) if control else (0, 0, 4))
 
 
 def test_cost_model_and_acceptance_learn_from_observations():
@@ -119,12 +143,10 @@ def test_a_chooser_that_always_drafts_runs_a_plain_round_now_and_then_and_resume
 def test_a_draft_that_sat_out_the_rounds_since_the_last_probe_is_still_probed():
     """A plain round leaves the in-process draft one token further behind; a probe every 16 rounds must
     still reach a draft up to 16 tokens behind, or a chooser that went plain would never look again."""
-    ch = Chooser(k=3)
-    ch.cost = model(b=1.0)                     # drafting never pays: plain plans
+    ch = low_acceptance(Chooser(k=3), 1)         # plain plans
     got = [ch.plan([1], [3], behind=[r + 1]) for r in range(16)]
     assert got[15] == [1] and all(p == [0] for p in got[:15])
-    far = Chooser(k=3)
-    far.cost = ch.cost
+    far = low_acceptance(Chooser(k=3), 1)
     assert [far.plan([1], [3], behind=[40]) for _ in range(16)][15] == [0]     # a long catch-up: no probe
 
 
