@@ -216,9 +216,8 @@ class Chooser:
             new = old
         if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
             idle = [b for b, (k, c) in enumerate(zip(new, caps)) if k == 0 and c > 0 and behind[b] <= self.probe_behind]
-            worth = next((b for b in idle if self.could_pay(b, acc, caps, behind, remaining)), None)
-            if worth is not None:
-                new[worth] = 1
+            if idle and self.could_pay(idle[0], acc, caps, behind, remaining):
+                new[idle[0]] = 1
                 self.probes += 1
             elif idle:
                 self.probes_skipped += 1
