@@ -142,7 +142,7 @@ PRIOR_ROUNDS = 8.0
 # round only if some acceptance would make drafting for that request pay. This is about the best a
 # draft does (the default pair on code: 0.81-0.88 per token at K <= 4): when even it would not draft
 # (large batches whose verify rows cost more than they commit), no probe is run. On a 2-core AVX2 host
-# the probes of such batches cost auto 4-6% against AR (a draft catch-up of up to 16 tokens, a draft
+# the probes of such batches cost auto 4-8% against AR (a draft catch-up of up to 16 tokens, a draft
 # step and an extra verify row every 16 rounds).
 OPTIMISTIC_ACCEPTANCE = 0.95
 
