@@ -21,11 +21,6 @@ def _parse(device: str) -> tuple[str, int | None]:
     return kind, int(index)
 
 
-def collective_backend(device: str) -> str:
-    """'nccl' for ranks on CUDA GPUs, else 'gloo' (which shared memory replaces on one host)."""
-    return "nccl" if _parse(device)[0] == "cuda" else "gloo"
-
-
 def spawned_rank_devices(device: str, world: int, gpu_count: int) -> list[str]:
     """Devices of ranks 0..world-1 that the engine on `device` starts on its own host."""
     kind, index = _parse(device)
