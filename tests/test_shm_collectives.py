@@ -139,6 +139,28 @@ def test_gloo_when_not_wanted_and_shm_otherwise():
             g1.close()
 
 
+def test_wait_for_a_peer_counts_only_inside_collectives():
+    """wait_s is a part of comm_s (the all-reduces and gathers): a wait for a late peer in a stats
+    exchange is in neither (it was counted in wait_s alone once, which made wait_s > comm_s)."""
+    g0, g1 = _pair(want=True)
+    try:
+        assert g0.transport == "shm"
+        late = threading.Thread(target=lambda: (time.sleep(0.2), g1.gather_floats([1.0])))
+        late.start()
+        g0.gather_floats([0.0])                 # rank 0 waits ~0.2 s for rank 1, outside a collective
+        late.join(30)
+        assert g0.shm.wait_s >= 0.1             # the channel saw the wait
+        assert g0.wait_s == g0.comm_s == 0.0    # the collectives' share did not
+        t = threading.Thread(target=lambda: (time.sleep(0.2), g1.all_reduce(torch.ones(3))))
+        t.start()
+        g0.all_reduce(torch.ones(3))            # the same wait inside an all-reduce is counted
+        t.join(30)
+        assert 0.1 <= g0.wait_s <= g0.comm_s
+    finally:
+        g0.close()
+        g1.close()
+
+
 def test_the_segment_file_is_gone_once_the_group_formed():
     import glob
 

@@ -102,6 +102,7 @@ class TPGroup:
         self.decode = False         # set by the caller around a decode-step forward: its collectives
         self.decode_comm_s = 0.0    # are also counted here (and their waits in decode_wait_s)
         self.decode_wait_s = 0.0
+        self.comm_wait_s = 0.0      # of comm_s, waiting for a slower peer (shared memory only)
 
     @property
     def transport(self) -> str:
@@ -112,12 +113,16 @@ class TPGroup:
     def wait_s(self) -> float:
         """Of comm_s, the time spent waiting for a slower peer to arrive (shared memory only: gloo's
         wait and wire time are not told apart; -1 then). Over NCCL comm_s is the host's launch time
-        only (the collectives run asynchronously on the GPU)."""
-        return -1.0 if self.shm is None or self.nccl is not None else self.shm.wait_s
+        only (the collectives run asynchronously on the GPU). Waits outside the all-reduces and
+        gathers (for a command, for a stats reply) are not counted: they are not in comm_s either."""
+        return -1.0 if self.shm is None or self.nccl is not None else self.comm_wait_s
+
+    def _shm_wait(self) -> float:
+        return 0.0 if self.shm is None else self.shm.wait_s
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks (fp32 on the wire for 16-bit activations)."""
-        t0, w0 = time.perf_counter(), self.wait_s
+        t0, w0 = time.perf_counter(), self._shm_wait()
         buf = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
         if self.nccl is not None:
             self.nccl.allreduce([buf]).wait()
@@ -134,14 +139,16 @@ class TPGroup:
     def _count(self, t0: float, w0: float) -> None:
         dt = time.perf_counter() - t0
         self.comm_s += dt
+        waited = self._shm_wait() - w0
+        self.comm_wait_s += waited
         if self.decode:
             self.decode_comm_s += dt
-            self.decode_wait_s += self.wait_s - w0
+            self.decode_wait_s += waited
 
     def gather_columns(self, t: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
         """Rank 0: every rank's `t` [N, widths[rank]] side by side, [N, sum(widths)] fp32; other
         ranks: None. Padded to the widest slice on the wire (gloo gathers equal shapes)."""
-        t0, w0 = time.perf_counter(), self.wait_s
+        t0, w0 = time.perf_counter(), self._shm_wait()
         buf = t.new_zeros((t.shape[0], max(widths)), dtype=torch.float32)
         buf[:, :t.shape[1]] = t
         if self.nccl is not None:       # every rank gets the columns (NCCL's all-gather); rank 0 uses them
