@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ssd.speculation.worker_wait import WorkerWait
+
 
 def expected_tokens(a: float, k: int) -> float:
     """Tokens one round commits in expectation: accepted drafts (geometric, truncated at k) + 1."""
@@ -64,25 +66,27 @@ class CostModel:
     was never measured)."""
 
 
-    def __init__(self, free_draft: bool = False):
+    def __init__(self, worker: WorkerWait | None = None):
         self.unit: float | None = None
         self.target = RLS([1.0, 0.1])
         self.draft = RLS([0.3, 0.03, 0.02])
-        self.free_draft = free_draft     # drafting costs nothing (SSD: the worker drafts during the verify)
+        # SSD rounds: the worker drafts during the verify; the target waits for it only on a cache miss
+        self.worker = worker
 
     def target_s(self, rows: int) -> float:
         return max(self.target.predict([1.0, rows]), 1e-3)
 
-    def draft_s(self, num_draft: list[int], catch_up: float = 0.0) -> float:
-        if self.free_draft:
-            return 0.0
+    def draft_s(self, num_draft: list[int], catch_up: float = 0.0, acceptance: list[float] | None = None) -> float:
         steps = max(num_draft, default=0)
+        if self.worker is not None:
+            return self.worker.expected(acceptance or [0.0] * len(num_draft), num_draft)
         return max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) if steps else 0.0
 
-    def time_s(self, num_draft: list[int], catch_up: float = 0.0) -> float:
+    def time_s(self, num_draft: list[int], catch_up: float = 0.0, acceptance: list[float] | None = None) -> float:
         """Predicted time (in units of the first target forward) of a round with this plan, whose
-        drafts first feed `catch_up` tokens they missed."""
-        return self.draft_s(num_draft, catch_up) + self.target_s(sum(k + 1 for k in num_draft))
+        drafts first feed `catch_up` tokens they missed (`acceptance`: per sequence, for a worker's
+        cache hits)."""
+        return self.draft_s(num_draft, catch_up, acceptance) + self.target_s(sum(k + 1 for k in num_draft))
 
     def observe_target(self, rows: int, seconds: float) -> None:
         if self.unit is None:
@@ -90,8 +94,13 @@ class CostModel:
         self.target.update([1.0, rows], seconds / self.unit)
 
     def observe_draft(self, num_draft: list[int], seconds: float, catch_up: int = 0) -> None:
-        if max(num_draft, default=0) and self.unit is not None and not self.free_draft:
+        if max(num_draft, default=0) and self.unit is not None and self.worker is None:
             self.draft.update([max(num_draft), sum(num_draft), catch_up], seconds / self.unit)
+
+    def observe_wait(self, all_hit: bool, k: int, seconds: float) -> None:
+        """A worker round's wait for its proposal (see WorkerWait.observe_round)."""
+        if self.worker is not None and self.unit is not None:
+            self.worker.observe_round(all_hit, k, seconds / self.unit)
 
 
 def catch_up_share(num_draft: list[int], acceptance: list[float], behind: list[int] | None,
@@ -110,21 +119,21 @@ def rate(num_draft: list[int], acceptance: list[float], cost: CostModel, behind:
          remaining: list[int] | None = None) -> float:
     """Predicted committed tokens per unit of time of a plan."""
     catch = catch_up_share(num_draft, acceptance, behind, remaining)
-    return sum(expected_tokens(a, k) for a, k in zip(acceptance, num_draft)) / cost.time_s(num_draft, catch)
+    return sum(expected_tokens(a, k) for a, k in zip(acceptance, num_draft)) / cost.time_s(num_draft, catch, acceptance)
 
 
 def best_plan(acceptance: list[float], caps: list[int], cost: CostModel, behind: list[int] | None = None,
-              remaining: list[int] | None = None, passes: int = 2) -> list[int]:
-    """Per-sequence draft lengths (each <= its cap) maximizing the predicted rate."""
+              remaining: list[int] | None = None, passes: int = 2, floor: int = 0) -> list[int]:
+    """Per-sequence draft lengths (each <= its cap, and >= min(floor, cap)) maximizing the predicted rate."""
     r = lambda p: rate(p, acceptance, cost, behind, remaining)   # noqa: E731
     kmax = max(caps, default=0)
-    plans = [[min(k, c) for c in caps] for k in range(kmax + 1)]
+    plans = [[min(k, c) for c in caps] for k in range(min(floor, kmax), kmax + 1)]
     plan = max(plans, key=r)
     best = r(plan)
     for _ in range(passes):
         improved = False
         for b, cap in enumerate(caps):
-            for k in range(cap + 1):
+            for k in range(min(floor, cap), cap + 1):
                 if k == plan[b]:
                     continue
                 trial = plan[:b] + [k] + plan[b + 1:]
@@ -173,8 +182,9 @@ class Chooser:
 
     def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int | None = None,
                  cost: CostModel | None = None, shares_acceptance: "Chooser | None" = None,
-                 plain_probe_every: int = 32):
+                 plain_probe_every: int = 32, floor: int = 0):
         self.k, self.hysteresis, self.probe_every = k, hysteresis, probe_every
+        self.floor = floor              # draft at least this many tokens where the cap allows (worker rounds: 1)
         # probe only drafts at most this far behind (default: the rounds since the last probe, which a
         # draft that sat out plain rounds since then is; its catch-up is one batched draft forward)
         self.probe_behind = probe_every if probe_behind is None else probe_behind
@@ -209,8 +219,8 @@ class Chooser:
         self.rounds += 1
         behind = behind or [0] * len(seq_ids)
         acc = [self._acc(i).value for i in seq_ids]
-        new = best_plan(acc, caps, self.cost, behind, remaining)
-        old = [min(self.last.get(i, k), c) for i, k, c in zip(seq_ids, new, caps)]
+        new = best_plan(acc, caps, self.cost, behind, remaining, floor=self.floor)
+        old = [max(min(self.last.get(i, k), c), min(self.floor, c)) for i, k, c in zip(seq_ids, new, caps)]
         if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * \
                 (1 + self.hysteresis):
             new = old
@@ -228,7 +238,7 @@ class Chooser:
             self.plain_probes += 1
         self.predicted_tokens = sum(expected_tokens(a, k) for a, k in zip(acc, new))
         catch = sum(t for t, k in zip(behind, new) if k > 0)
-        self.predicted_s = self.cost.time_s(new, catch) * (self.cost.unit or 0.0)
+        self.predicted_s = self.cost.time_s(new, catch, acc) * (self.cost.unit or 0.0)
         return new
 
     def could_pay(self, b: int, acc: list[float], caps: list[int], behind: list[int],

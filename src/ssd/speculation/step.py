@@ -27,6 +27,7 @@ from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
 from ssd.speculation.regime import WORKER, RegimePolicy
 from ssd.speculation.stats import SpecCounters
 from ssd.speculation.verifier import verify_and_commit
+from ssd.speculation.worker_wait import WorkerWait
 from ssd.speculation.worker.messages import Source
 
 _MISS = (Source.NEURAL, Source.PARTIAL, Source.FAST)
@@ -59,13 +60,14 @@ class SpeculativeStep:
         self.worker, self.regime, self.thread_split = worker, regime, thread_split
         self.counters.cover(self.k)
         if self.chooser is not None:
-            # K per sequence in worker rounds too, trading tokens against verify rows only: the worker
-            # drafts while the target verifies. Its wait is not modelled: it depends on whether the
-            # last round speculated (a cache hit needs a speculation out), and fitting it per round
-            # taught a chooser that drafting after a plain round is slow, so it stayed plain. A change
-            # of K costs cache hits (chains are pre-drafted at the last length): 10% hysteresis
-            self.worker_chooser = Chooser(self.k, hysteresis=0.1, probe_every=10**9, cost=CostModel(free_draft=True),
-                                          shares_acceptance=self.chooser, plain_probe_every=0)
+            # K per sequence in worker rounds too: the worker drafts while the target verifies, so a
+            # round costs its verify rows plus the wait on a cache miss, priced by the measured hit
+            # rates and miss wait (worker_wait.py). A change of K costs cache hits (chains are
+            # pre-drafted at the last length): 10% hysteresis. At least one token per sequence: a
+            # worker with nothing out has nothing to pre-draft for
+            self.worker_chooser = Chooser(self.k, hysteresis=0.1, probe_every=10**9,
+                                          cost=CostModel(worker=WorkerWait()),
+                                          shares_acceptance=self.chooser, plain_probe_every=0, floor=1)
 
     def num_draft(self, s: Sequence) -> int:
         """Draft tokens for this sequence this round: K, capped by the request (speculate, max_draft) and
@@ -153,8 +155,7 @@ class SpeculativeStep:
             num_draft = chooser.plan([s.seq_id for s in seqs], caps, behind, remaining)
             if local and not any(num_draft):
                 return self._plain_round(seqs)
-            if not local:       # at least one token: a worker with nothing out has nothing to pre-draft for
-                num_draft = [max(k, min(c, 1)) for k, c in zip(num_draft, caps)]
+        retaken = not local and any(s.spec_state.detached for s in seqs)   # the worker prefills them first
         t0 = time.perf_counter()
         proposal = None
         try:
@@ -181,6 +182,8 @@ class SpeculativeStep:
         t2 = time.perf_counter()
         self.last_verify_s = t2 - t1
         self._count(seqs, proposal, before, t1 - t0, t2 - t1)
+        if not local and chooser is not None and proposal.sources is not None:
+            self._observe_wait(seqs, proposal, t1 - t0, retaken)
         committed = sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before))
         if chooser is not None:
             sent = [len(d) for d in proposal.tokens]
@@ -194,6 +197,19 @@ class SpeculativeStep:
                 empty = Proposal([[] for _ in seqs], [None] * len(seqs))
                 self.proposer.observe(seqs, lens, [0] * len(seqs), empty)   # the local draft sat out
             self.regime.observe(len(seqs), committed, t2 - t0)
+
+    def _observe_wait(self, seqs: list[Sequence], proposal: Proposal, wait_s: float, retaken: bool) -> None:
+        """auto_ssd: teach the worker rounds' cost model the cache hits and the wait of this round (before
+        the proposer's observe: spec_state still describes the previous round)."""
+        cost = self.worker_chooser.cost
+        for s, src, d in zip(seqs, proposal.sources, proposal.tokens):
+            st = s.spec_state
+            if st.num_draft and d and (src == Source.CACHE or src in _MISS):
+                cost.worker.observe_lookup(st.accepted == st.num_draft, src == Source.CACHE)
+        k = max((len(d) for d in proposal.tokens), default=0)
+        if not retaken:
+            hit = all(src == Source.CACHE for src, d in zip(proposal.sources, proposal.tokens) if d)
+            cost.observe_wait(hit, k, wait_s)
 
     def _plain_round(self, seqs: list[Sequence]) -> None:
         """auto chose no draft for anyone: an AR step (the draft sits out and catches up later)."""

@@ -1,0 +1,72 @@
+"""auto's price of drafting in a worker (SSD) round: the target waits for the worker only when the
+speculation cache misses (docs/ARCHITECTURE.md 4.1).
+
+A round with K_b draft tokens for sequence b is a hit when the worker had pre-drafted for the outcome
+of the previous round. With one draft core its pre-drafting goes almost all to the outcome "every
+draft token accepted" (measured on the default pair: a hit rate of 0.89-0.94 after a fully accepted
+round, 0-0.18 after any other), so a sequence whose per-token acceptance is a hits with probability
+
+    p_b = h_full * a^K_b + h_part * (1 - a^K_b)
+
+and the round (a batch waits for its slowest lookup) with probability prod_b p_b. A hit costs the
+lookup (`hit_s`); a miss makes the worker draft the K = max K_b tokens while the target waits
+(`hit_s + K * per_token_s`). A longer K commits more tokens per verify but misses more often and
+waits longer on a miss: that is why SSD at K = 4 ran 7-17% slower than at K = 2 on a 2-core host,
+which a chooser that priced worker drafting at zero could not see.
+
+All four quantities are measured from the rounds auto runs anyway (running means that turn into
+exponential averages), starting from priors in units of the first target forward.
+"""
+from __future__ import annotations
+
+
+def hit_probability(acceptance: list[float], num_draft: list[int], h_full: float, h_part: float) -> float:
+    """Probability that every lookup of a round hits the speculation cache (sequences that draft nothing
+    look nothing up)."""
+    p = 1.0
+    for a, k in zip(acceptance, num_draft):
+        if k > 0:
+            full = a ** k
+            p *= h_full * full + h_part * (1.0 - full)
+    return p
+
+
+class Mean:
+    """A running mean of the first `1 / alpha` observations (after a prior worth `weight` of them), then
+    an exponential average with weight alpha."""
+
+    def __init__(self, prior: float, weight: float = 2.0, alpha: float = 0.1):
+        self.value, self.n, self.cap = prior, weight, 1.0 / alpha
+
+    def add(self, x: float) -> None:
+        self.n = min(self.n + 1.0, self.cap)
+        self.value += (x - self.value) / self.n
+
+
+class WorkerWait:
+    """Expected wait for the worker in a round with these draft lengths, in the cost model's units."""
+
+    def __init__(self, h_full: float = 0.9, h_part: float = 0.1, hit_s: float = 0.02, per_token_s: float = 0.3):
+        self.h_full, self.h_part = Mean(h_full), Mean(h_part)
+        self.hit_s, self.per_token_s = Mean(hit_s), Mean(per_token_s)
+
+    def expected(self, acceptance: list[float], num_draft: list[int]) -> float:
+        k = max(num_draft, default=0)
+        if k <= 0:
+            return 0.0
+        p = hit_probability(acceptance, num_draft, self.h_full.value, self.h_part.value)
+        return self.hit_s.value + (1.0 - p) * k * max(self.per_token_s.value, 0.0)
+
+    def observe_lookup(self, previous_fully_accepted: bool, hit: bool) -> None:
+        """One sequence's cache lookup (it speculated last round and asks for tokens now)."""
+        (self.h_full if previous_fully_accepted else self.h_part).add(float(hit))
+
+    def observe_round(self, all_hit: bool, k: int, wait: float) -> None:
+        """The target waited `wait` (units) for a round whose longest draft was k tokens. Rounds in which
+        the worker first took sequences back (their whole context to prefill) are not for this."""
+        if k <= 0:
+            return
+        if all_hit:
+            self.hit_s.add(wait)
+        else:
+            self.per_token_s.add(max(wait - self.hit_s.value, 0.0) / k)

@@ -1,0 +1,91 @@
+"""auto's price of a worker (SSD) round: cache hit probabilities, the learned waits, and the K the
+worker rounds' chooser picks with them (pure functions; no model)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ssd.speculation.chooser import Chooser, CostModel, best_plan
+from ssd.speculation.worker_wait import Mean, WorkerWait, hit_probability
+
+
+def test_hit_probability():
+    assert hit_probability([0.8], [2], 0.9, 0.1) == pytest.approx(0.9 * 0.64 + 0.1 * 0.36)
+    assert hit_probability([0.8, 0.5], [2, 1], 1.0, 0.0) == pytest.approx(0.64 * 0.5)
+    assert hit_probability([0.8, 0.5], [2, 0], 1.0, 0.0) == pytest.approx(0.64)   # no lookup, no miss
+    assert hit_probability([], [], 0.9, 0.1) == 1.0
+
+
+def test_mean_is_a_running_mean_then_an_exponential_average():
+    m = Mean(1.0, weight=2.0, alpha=0.25)
+    m.add(4.0)                      # (2 * 1 + 4) / 3
+    assert m.value == pytest.approx(2.0)
+    m.add(2.0)                      # 4 observations' worth: capped from here on
+    assert m.value == pytest.approx(2.0)
+    m.add(6.0)
+    assert m.value == pytest.approx(2.0 + 0.25 * 4.0)
+
+
+def test_learns_hit_rates_and_waits_from_rounds():
+    rng = random.Random(0)
+    w = WorkerWait()
+    for _ in range(400):
+        full = rng.random() < 0.6
+        w.observe_lookup(full, rng.random() < (0.95 if full else 0.05))
+        k = rng.choice([1, 2, 4])
+        hit = rng.random() < 0.6
+        w.observe_round(hit, k, 0.05 * rng.uniform(0.9, 1.1) + (0 if hit else 0.4 * k))
+    assert w.h_full.value == pytest.approx(0.95, abs=0.08)
+    assert w.h_part.value == pytest.approx(0.05, abs=0.08)
+    assert w.hit_s.value == pytest.approx(0.05, abs=0.01)
+    assert w.per_token_s.value == pytest.approx(0.4, abs=0.05)
+    assert w.expected([0.8], [0]) == 0.0
+    p = hit_probability([0.8], [3], w.h_full.value, w.h_part.value)
+    assert w.expected([0.8], [3]) == pytest.approx(w.hit_s.value + (1 - p) * 3 * w.per_token_s.value)
+
+
+def ssd_model(per_token_s: float) -> CostModel:
+    m = CostModel(worker=WorkerWait(h_full=0.92, h_part=0.05, hit_s=0.02, per_token_s=per_token_s))
+    m.unit = 1.0
+    m.target.set([0.7, 0.2])        # verify rows are dear with the target on one core (as measured)
+    return m
+
+
+@pytest.mark.parametrize("per_token_s, acceptance, want", [
+    (0.0, 0.85, 4),     # negative control: drafting priced as free, the old model, asks for the longest
+    (0.4, 0.85, 2),     # the miss wait of a drafting core (as measured on the default pair): shorter
+    (0.4, 0.97, 4),     # ... unless nearly everything is accepted, so nearly every round hits
+    (0.4, 0.60, 1),
+])
+def test_the_worker_rounds_k_weighs_the_wait_on_a_miss(per_token_s, acceptance, want):
+    assert best_plan([acceptance], [4], ssd_model(per_token_s)) == [want]
+
+
+def test_a_batch_misses_when_any_lookup_misses():
+    """Each extra sequence at the longest K adds a chance of a miss for the whole batch: the worker
+    chooser shortens the drafts of a large batch before a small one's."""
+    m = ssd_model(0.4)
+    one = best_plan([0.9], [4], m)
+    many = best_plan([0.9] * 6, [4] * 6, m)
+    assert max(many) < max(one)
+
+
+def test_a_chooser_plan_predicts_the_wait():
+    ch = Chooser(4, cost=ssd_model(0.4))
+    ch.cost.unit = 0.1
+    plan = ch.plan([1], [4])
+    m = ch.cost
+    acc = [ch._acc(1).value]
+    assert ch.predicted_s == pytest.approx(0.1 * (m.worker.expected(acc, plan) + m.target_s(plan[0] + 1)))
+
+
+def test_worker_rounds_draft_at_least_one_token_and_pick_the_best_such_plan():
+    """A worker with nothing out has nothing to pre-draft for: worker rounds plan with floor=1. Where a
+    plain round would win, the best plan of at least one token is taken (not a plain one forced up)."""
+    m = ssd_model(0.55)
+    assert best_plan([0.3], [4], m) == [0]                       # the control: without the floor
+    assert best_plan([0.3], [4], m, floor=1) == [1]
+    assert best_plan([0.3, 0.3], [4, 0], m, floor=1) == [1, 0]   # a cap of 0 stays 0
+    ch = Chooser(4, cost=m, floor=1, hysteresis=0.1, plain_probe_every=0)   # as step.py makes it
+    assert all(min(ch.plan([1, 2], [4, 4])) >= 1 for _ in range(40))
