@@ -102,8 +102,10 @@ def random_regime(monkeypatch) -> None:
 
     from ssd.speculation.regime import LOCAL, WORKER, RegimePolicy
 
-    def pick(self, batch_size):
+    def pick(self, batch_size, predict=None):
         self.rounds += 1
+        if predict is not None:         # exercise the caller's model (kept for the test to look at)
+            self.__dict__.setdefault("predictions", []).append((predict(LOCAL), predict(WORKER)))
         if self.enabled:
             h = int(hashlib.blake2b(str(self.rounds).encode(), digest_size=2).hexdigest(), 16)
             new = WORKER if h % 2 else LOCAL

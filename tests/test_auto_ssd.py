@@ -18,6 +18,30 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = ["hello world", "abc", "def f(x):\n    return", "abab abab abab", "The quick brown fox"]
 
 
+# ---------------------------------------------------------------- the thread split
+
+
+@pytest.mark.parametrize("cores, threads, want, level", [
+    ({0, 1}, None, (1, 2), None),           # the worker's core is taken back in local rounds
+    ({0, 1, 2}, 2, (1, 2), None),           # --threads counts the target's and the worker's cores
+    ({0, 1}, 1, None, "INFO"),              # the paper placement: separate cores, nothing to take back
+    ({0}, None, None, "WARNING"),           # one core: target and worker really share it
+])
+def test_auto_ssd_thread_split_and_what_it_says(monkeypatch, caplog, cores, threads, want, level):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    cfg = SimpleNamespace(device="cpu", draft_host=None, draft_device=None, num_draft_workers=1, draft_cores=None,
+                          threads=threads)
+    with caplog.at_level("INFO", logger="ssd.llm"):
+        assert LLM._auto_ssd_threads(cfg) == want
+    assert LLM._auto_ssd_worker_apart(cfg, want) == (level == "INFO")   # idle in local rounds: prefills then
+    shares = [r for r in caplog.records if "share cores" in r.getMessage()]
+    assert bool(shares) == (level == "WARNING")
+    if level == "INFO":
+        assert any("take no core back" in r.getMessage() and r.levelname == "INFO" for r in caplog.records)
+
+
 # ---------------------------------------------------------------- the policy
 
 
@@ -108,6 +132,41 @@ def test_batch_size_buckets_have_their_own_estimates():
     assert WORKER in seq[-8:] and p.rate[(WORKER, 3)] > p.rate[(LOCAL, 3)]
 
 
+def run_predicted(policy: RegimePolicy, rates: dict[str, float], guesses: dict[str, float | None],
+                  rounds: int) -> list[str]:
+    out = []
+    for _ in range(rounds):
+        r = policy.pick(1, guesses.get)
+        out.append(r)
+        policy.observe(1, 10, 10 / rates[r])
+    return out
+
+
+@pytest.mark.parametrize("guess, visits", [
+    (None, True),       # the control: no prediction, the local regime is measured and probed
+    (17.0, True),       # predicted within the margin (10%) of the worker's measured 18: still probed
+    (12.0, False),      # predicted clearly slower: never visited (counted as pruned)
+])
+def test_a_regime_predicted_clearly_slower_is_not_visited(guess, visits):
+    p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
+    seq = run_predicted(p, {WORKER: 18.0, LOCAL: 10.0}, {LOCAL: guess}, 300)
+    assert (LOCAL in seq) == visits
+    assert (p.pruned > 0) == (not visits)
+
+
+def test_a_pruned_probe_backs_off_and_a_better_prediction_lets_it_run():
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=WORKER)
+    rates, guesses = {WORKER: 10.0, LOCAL: 20.0}, {WORKER: None}
+    run_predicted(p, rates, guesses, 40)                       # both measured: local is faster
+    assert p.current == LOCAL
+    guesses[WORKER] = 5.0                                      # the model says the worker is far slower
+    seq = run_predicted(p, rates, guesses, 300)
+    assert WORKER not in seq and p.pruned >= 2 and p.interval[0] >= 128
+    guesses[WORKER] = 19.0                                     # ... until it does not
+    seq = run_predicted(p, rates, guesses, 2000)
+    assert WORKER in seq
+
+
 def test_disable_is_local_for_good():
     p = RegimePolicy(dwell=1, start=WORKER)
     p.disable()
@@ -123,7 +182,8 @@ def ar_ref(tiny_pair):
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tiny_pair, ar_ref):
+@pytest.mark.parametrize("apart", [False, True])
+def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tiny_pair, ar_ref, apart):
     """SSD rounds and local rounds alternate at random, in a batch that grows and shrinks (different
     max_tokens, a late arrival): the worker is handed sequences back many times and the local draft
     catches up after every SSD stint; every token equals AR's. Draft lengths are random per sequence
@@ -137,6 +197,7 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
     from ssd.speculation.step import SpeculativeStep
 
     step, dbm = llm.engine.step_impl, llm.engine.draft.block_manager
+    step.worker_prefills_always = apart     # the worker also prefills prompts that arrive in local stints
     real, leaks = SpeculativeStep.decode, []
 
     def decode(self, seqs):          # after every round the local draft holds exactly what it has fed
@@ -157,6 +218,36 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
         assert 0 < d["auto_worker_round_share"] < 1
         w = step.worker_chooser.cost.worker       # worker rounds taught their chooser hits and waits
         assert w.h_full.n + w.h_part.n > 4 and w.hit_s.n + w.per_token_s.n > 4
+        # with the worker apart, the policy is offered both regimes' predicted rates once misses are measured
+        made = [p for p in getattr(step.regime, "predictions", []) if p[0] is not None]
+        assert bool(made) == apart and all(a > 0 and b > 0 for a, b in made)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monkeypatch, tiny_pair, ar_ref, apart):
+    """Where the worker's cores stay idle in local rounds, it prefills each new prompt while the target
+    does, so a later SSD stint finds the prompt prefix-cached; where the target takes them back it
+    does not (the control)."""
+    def local(self, batch_size, predict=None):
+        self.rounds += 1
+        self.current = LOCAL
+        return LOCAL
+    monkeypatch.setattr(RegimePolicy, "pick", local)
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=20)
+    step = llm.engine.step_impl
+    step.regime.current, step.worker_prefills_always = LOCAL, apart
+    calls = []
+    real = step.worker.prefill
+    monkeypatch.setattr(step.worker, "prefill", lambda seqs: (calls.append(len(seqs)), real(seqs)))
+    try:
+        outs = llm.generate(PROMPTS[:3], GREEDY)
+        assert [o.token_ids for o in outs] == ar_ref[:3]
+        assert sum(calls) == (3 if apart else 0)
+        assert llm.engine.spec_metrics().worker_rounds == 0
     finally:
         llm.close()
 

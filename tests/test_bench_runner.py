@@ -273,13 +273,16 @@ def test_interleaved_batch_sweep(tiny_pair, tmp_path, monkeypatch):
 
 
 def test_auto_vs_best_picks_the_best_fixed_cell():
-    from ssd.bench.summary import auto_vs_best
+    from ssd.bench.summary import auto_markdown, auto_vs_best
 
     runs = [{"dataset": "c", "mode": m, "label": lab, "batch_size": 1, "decode_tokens_per_s": v}
             for m, lab, v in [("ar", "ar", 10.0), ("sd", "sd k=2", 14.0), ("sd", "sd k=4", 12.0),
                               ("auto", "auto k<=4", 13.3), ("hf", "hf", 99.0)]]
+    runs[3].update(auto_worker_round_share=0.75, auto_rows_by_num_draft=[1, 0, 3])
     (row,) = auto_vs_best(runs)
     assert row["best_fixed"] == "sd k=2" and row["auto_vs_best"] == pytest.approx(0.95)   # peers are not ours
+    line = auto_markdown([row])[-1]           # the shares of SSD rounds and of each chosen K are shown
+    assert line.endswith("| - | 0.75 | 0.25 0.00 0.75 |"), line
 
 
 def test_paired_ratio_and_its_verdict():

@@ -574,6 +574,10 @@ def test_auto_server_explains_its_choices(tiny_pair, ref):
         stats = llm.engine.spec_metrics()
         d = stats.to_dict()
         assert metric(srv, "ssd_auto_plain_rounds_total") == stats.plain_rounds
+        chooser = llm.engine.step_impl.chooser
+        assert metric(srv, "ssd_auto_probes_total") == stats.probes == chooser.probes
+        assert metric(srv, "ssd_auto_probes_skipped_total") == stats.probes_skipped == chooser.probes_skipped
+        assert d["auto_probes"] == stats.probes and d["auto_probes_skipped"] == stats.probes_skipped
         assert sum(metric(srv, "ssd_auto_rows_total", num_draft=str(j)) for j in range(4)) == sum(stats.rows_by_num_draft)
         assert metric(srv, "ssd_auto_predicted_tokens_per_second") == pytest.approx(d["auto_predicted_tokens_per_s"])
         assert metric(srv, "ssd_auto_measured_tokens_per_second") == pytest.approx(d["auto_measured_tokens_per_s"])

@@ -85,6 +85,8 @@ class LLM:
                                 cfg.max_num_batched_tokens, draft_runner, cfg.mode, cfg.k, draft_client,
                                 Tracer() if cfg.trace else None, cfg.spec_max_batch, thread_split)
         self.engine.prefill_threads = cfg.prefill_threads or (thread_split[1] if thread_split else None)
+        if cfg.mode == "auto" and cfg.auto_ssd:
+            self.engine.step_impl.worker_prefills_always = self._auto_ssd_worker_apart(cfg, thread_split)
         self._clients = _as_clients(draft_client)
 
     @staticmethod
@@ -119,16 +121,39 @@ class LLM:
 
         if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
             return None
+        cores = len(os.sched_getaffinity(0))
         placement = local_cores(sorted(os.sched_getaffinity(0)), cfg.num_draft_workers, cfg.draft_cores)
-        usable = cfg.threads or len(os.sched_getaffinity(0))
+        usable = cfg.threads or cores
         worker = sum(len(c) if c else 1 for c in placement)
         if usable <= worker:
-            log.warning("auto_ssd: %d core(s) for the target and %d for draft workers: they share cores", usable,
-                        worker)
+            if usable + worker <= cores:     # e.g. the paper placement: --threads 1 and a worker core beside it
+                log.info("auto_ssd: the target keeps its %d thread(s) in every round and the draft workers their %d "
+                         "core(s); local rounds take no core back (--threads counts both: give it %d for that)",
+                         usable, worker, usable + worker)
+            else:
+                log.warning("auto_ssd: %d thread(s) for the target and %d core(s) for draft workers on %d usable "
+                            "core(s): they share cores", usable, worker, cores)
             return None
         log.info("auto_ssd: the target runs on %d thread(s) while the worker drafts, on %d otherwise",
                  usable - worker, usable)
         return usable - worker, usable
+
+    @staticmethod
+    def _auto_ssd_worker_apart(cfg: EngineConfig, thread_split: tuple[int, int] | None) -> bool:
+        """auto_ssd: whether the worker's cores (or device, or host) stay apart from the target's in
+        local rounds, so the worker may prefill new prompts then at no cost to the target."""
+        import os
+
+        if thread_split is not None:            # the target takes the worker's cores back
+            return False
+        if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
+            return True
+        from ssd.speculation.worker.placement import local_cores
+
+        cores = sorted(os.sched_getaffinity(0))
+        placement = local_cores(cores, cfg.num_draft_workers, cfg.draft_cores)
+        worker = sum(len(c) if c else 1 for c in placement)
+        return None not in placement and (cfg.threads or len(cores)) + worker <= len(cores)
 
     def _start_tensor_parallel(self):
         """Check the split, then start ranks 1..N-1 (or wait for them) and load rank 0's shard. On a

@@ -194,7 +194,9 @@ def auto_vs_best(runs: list[dict], key: str = "decode_tokens_per_s") -> list[dic
         paired = paired_ratio(a.get("batch_" + key), best.get("batch_" + key))
         out.append({"batch_size": bs, "dataset": ds, "best_fixed": best_lab, "best_fixed_value": best[key],
                     "auto_value": a[key], "auto_vs_best": a[key] / best[key],
-                    "auto_plain_round_share": a.get("auto_plain_round_share"), "paired": paired,
+                    "auto_plain_round_share": a.get("auto_plain_round_share"),
+                    "auto_worker_round_share": a.get("auto_worker_round_share"),
+                    "auto_rows_by_num_draft": a.get("auto_rows_by_num_draft"), "paired": paired,
                     "verdict": goal_verdict(paired)})
     return out
 
@@ -207,10 +209,13 @@ def auto_markdown(rows: list[dict]) -> list[str]:
            "auto / best and its 90% interval; the verdict compares the interval with the goal (the best is "
            "picked after the fact, which favours it):",
            "", "| batch | dataset | best fixed | its tok/s | auto tok/s | auto / best | paired batches | paired "
-           "ratio [90% CI] | verdict | auto plain rounds |",
-           "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
+           "ratio [90% CI] | verdict | auto plain rounds | auto SSD rounds | auto K shares (0..K) |",
+           "| ---: | --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | --- |"]
+    share_of = lambda x: "-" if x is None else f"{x:.2f}"     # noqa: E731
     for r in rows:
         share = r.get("auto_plain_round_share")
+        by_k = r.get("auto_rows_by_num_draft") or []
+        k_shares = " ".join(f"{n / sum(by_k):.2f}" for n in by_k) if sum(by_k) else "-"
         p = r.get("paired")
         if p is None:
             n, ci = "-", "-"
@@ -219,5 +224,5 @@ def auto_markdown(rows: list[dict]) -> list[str]:
             ci = f"{p['ratio']:.2f}x" + ("" if p["lo"] is None else f" [{p['lo']:.2f}, {p['hi']:.2f}]")
         out.append(f"| {r['batch_size']} | {r['dataset']} | {r['best_fixed']} | {r['best_fixed_value']:.2f} | "
                    f"{r['auto_value']:.2f} | {r['auto_vs_best']:.2f}x | {n} | {ci} | {r.get('verdict', '-')} | "
-                   f"{'-' if share is None else f'{share:.2f}'} |")
+                   f"{share_of(share)} | {share_of(r.get('auto_worker_round_share'))} | {k_shares} |")
     return out

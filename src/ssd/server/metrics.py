@@ -81,6 +81,10 @@ class ServerMetrics:
         # auto: the chooser's decisions and its cost model's accuracy (fed by `auto_state`)
         self.auto_plain_rounds = Counter("ssd_auto_plain_rounds", "auto: decode rounds the chooser ran without "
                                          "any draft token (plain target steps)", registry=r)
+        self.auto_probes = Counter("ssd_auto_probes", "auto: one-token drafts for a request the chooser had "
+                                   "stopped drafting for, to re-measure its acceptance", registry=r)
+        self.auto_probes_skipped = Counter("ssd_auto_probes_skipped", "auto: such probes not run, because no "
+                                           "acceptance would have made drafting for that request pay", registry=r)
         self.auto_rows = Counter("ssd_auto_rows", "auto: sequence-rounds by the draft length the chooser picked",
                                  ["num_draft"], registry=r)
         self.auto_predicted = Gauge("ssd_auto_predicted_tokens_per_second", "auto: committed tokens per second "
@@ -92,6 +96,8 @@ class ServerMetrics:
                                           "served (SSD rounds; the others used the in-process draft)", registry=r)
         self.auto_regime_switches = Counter("ssd_auto_regime_switches", "auto_ssd: switches between SSD rounds "
                                             "and rounds with the in-process draft", registry=r)
+        self.auto_regime_pruned = Counter("ssd_auto_regime_probes_pruned", "auto_ssd: visits of the other regime "
+                                          "skipped because a model predicted it clearly slower", registry=r)
         self.auto_worker_lost = Counter("ssd_draft_worker_lost", "auto_ssd: the draft worker lost (1 once it "
                                         "died or stopped answering; auto goes on with the in-process draft only)", registry=r)
         if mode == "auto" and k:
@@ -180,8 +186,10 @@ class ServerMetrics:
         for j, n in enumerate(delta.rows_by_num_draft):
             if n > 0:
                 self.auto_rows.labels(num_draft=str(j)).inc(n)
-        for counter, n in ((self.auto_worker_rounds, delta.worker_rounds),
+        for counter, n in ((self.auto_probes, delta.probes), (self.auto_probes_skipped, delta.probes_skipped),
+                           (self.auto_worker_rounds, delta.worker_rounds),
                            (self.auto_regime_switches, delta.regime_switches),
+                           (self.auto_regime_pruned, delta.regime_probes_pruned),
                            (self.auto_worker_lost, delta.worker_lost)):
             if n > 0:
                 counter.inc(n)

@@ -103,6 +103,17 @@ class CostModel:
             self.worker.observe_round(all_hit, k, seconds / self.unit)
 
 
+def local_cost(worker_rounds: CostModel, draft_step: float) -> CostModel:
+    """The in-process draft's rounds as the worker rounds' fits see them (same units): the same target
+    line, and drafting that takes `draft_step` per step, in series with the target (auto_ssd with the
+    worker on cores of its own: the target has the same threads in both regimes)."""
+    m = CostModel()
+    m.unit = worker_rounds.unit
+    m.target.set(list(worker_rounds.target._w))
+    m.draft.set([draft_step, 0.0, 0.0])
+    return m
+
+
 def catch_up_share(num_draft: list[int], acceptance: list[float], behind: list[int] | None,
                    remaining: list[int] | None) -> float:
     """Catch-up tokens charged to one round: a draft that missed `behind` tokens pays them once when it

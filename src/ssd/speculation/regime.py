@@ -10,10 +10,17 @@ that regime's estimate for the batch-size bucket it ran at. After a stint the po
 the other regime is estimated `hysteresis` faster, or when its estimate is missing or older than
 `probe_every` rounds (exploration). A probe that loses (the policy goes back) doubles that bucket's
 probe interval, up to `max_probe_every`; one that wins resets it: a stable winner pays for fewer and
-fewer probes, each of which costs a stint in the slower regime and two switches. Exactness does not depend on any of this: every round is verified
-by the same exact rejection sampling whichever proposer drafted it.
+fewer probes, each of which costs a stint in the slower regime and two switches.
+
+Where the caller can predict the other regime's rate from a model (`pick(..., predict=...)`: auto_ssd
+with the worker on cores of its own, so both regimes run the target on the same threads), a probe or
+first visit is skipped when that prediction is `prune` short of the current regime's measured rate;
+a skipped probe backs off like a lost one (`pruned` counts them). Exactness does not depend on any of
+this: every round is verified by the same exact rejection sampling whichever proposer drafted it.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 LOCAL, WORKER = "local", "worker"
 
@@ -25,7 +32,7 @@ def bucket(batch_size: int) -> int:
 
 class RegimePolicy:
     def __init__(self, dwell: int = 16, probe_every: int = 128, hysteresis: float = 0.05, alpha: float = 0.5,
-                 start: str = WORKER, max_probe_every: int = 1024):
+                 start: str = WORKER, max_probe_every: int = 1024, prune: float = 0.1):
         if dwell < 1 or probe_every < dwell or max_probe_every < probe_every:
             raise ValueError("dwell >= 1 and dwell <= probe_every <= max_probe_every are required")
         self.dwell, self.probe_every, self.hysteresis, self.alpha = dwell, probe_every, hysteresis, alpha
@@ -40,14 +47,17 @@ class RegimePolicy:
         self.rate: dict[tuple[str, int], float] = {}     # (regime, bucket) -> tokens/s estimate
         self.seen: dict[tuple[str, int], int] = {}       # (regime, bucket) -> round it was last measured
         self.switches = 0
+        self.prune = prune
+        self.pruned = 0                  # probes skipped: the other regime was predicted clearly slower
 
     def disable(self) -> None:
         """The worker failed: every later round is local."""
         self.enabled = False
         self.current = LOCAL
 
-    def pick(self, batch_size: int) -> str:
-        """The regime of the next round."""
+    def pick(self, batch_size: int, predict: Callable[[str], float | None] | None = None) -> str:
+        """The regime of the next round. predict(regime): a model's tokens/s for that regime at this
+        batch, or None (then only measurements decide)."""
         self.rounds += 1
         if self.enabled and self._stint >= self.dwell:
             self._close_stint()
@@ -60,12 +70,23 @@ class RegimePolicy:
                 self.interval[b] = min(2 * self.interval.get(b, base), self.max_probe_every) if better else base
             self._probing = None
             stale = self.rounds - self.seen.get((other, b), -10**9) > self.interval.get(b, self.probe_every)
-            if better or theirs is None or stale:
+            if not better and (theirs is None or stale) and self._predicted_slower(predict, other, mine):
+                self.pruned += 1
+                if theirs is not None:           # a probe skipped: as if run and lost (next one later)
+                    self.seen[(other, b)] = self.rounds
+                    self.interval[b] = min(2 * self.interval.get(b, self.probe_every), self.max_probe_every)
+            elif better or theirs is None or stale:
                 if not better:
                     self._probing = b
                 self.current = other
                 self.switches += 1
         return self.current
+
+    def _predicted_slower(self, predict, other: str, mine: float | None) -> bool:
+        if predict is None or mine is None:
+            return False
+        guess = predict(other)
+        return guess is not None and guess * (1 + self.prune) < mine
 
     def probe_rounds_left(self) -> int | None:
         """Rounds left in the current stint if it is a probe (it will most likely be left after them),

@@ -49,6 +49,8 @@ class SpecCounters:
     # mode "auto": the chooser's decisions and how its predictions held up
     plain_rounds: int = 0           # rounds it ran without any draft (a plain target step)
     eager_draft_prefills: int = 0   # requests whose in-process draft it prefilled with the prompt (else lazy)
+    probes: int = 0                 # one-token drafts for a request it stopped drafting for (re-measure it)
+    probes_skipped: int = 0         # probes not run: no acceptance would have made drafting for it pay
     rows_by_num_draft: list[int] = field(default_factory=list)   # [j]: sequence-rounds given j draft tokens
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0
@@ -57,6 +59,7 @@ class SpecCounters:
     # mode "auto" with a draft worker (auto_ssd): rounds the worker served, regime switches, worker lost
     worker_rounds: int = 0
     regime_switches: int = 0
+    regime_probes_pruned: int = 0   # regime probes skipped: the other regime was predicted clearly slower
     worker_lost: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -116,6 +119,8 @@ class SpecSnapshot:
     seqs_to_local: int = 0
     plain_rounds: int = 0
     eager_draft_prefills: int = 0
+    probes: int = 0
+    probes_skipped: int = 0
     rows_by_num_draft: tuple[int, ...] = ()
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0
@@ -123,6 +128,7 @@ class SpecSnapshot:
     round_s: float = 0.0
     worker_rounds: int = 0
     regime_switches: int = 0
+    regime_probes_pruned: int = 0
     worker_lost: int = 0
     wall_s: float = 0.0
 
@@ -166,9 +172,11 @@ class SpecSnapshot:
                 **({"auto_plain_round_share": per(self.plain_rounds, self.rounds),
                     "auto_rows_by_num_draft": list(self.rows_by_num_draft),
                     "auto_eager_draft_prefills": self.eager_draft_prefills,
+                    "auto_probes": self.probes, "auto_probes_skipped": self.probes_skipped,
                     "auto_predicted_tokens_per_s": per(self.predicted_tokens, self.predicted_s),
                     "auto_measured_tokens_per_s": per(self.committed_tokens, self.round_s)}
                    if self.rows_by_num_draft else {}),
                 **({"auto_worker_round_share": per(self.worker_rounds, self.rounds),
-                    "auto_regime_switches": self.regime_switches, "auto_worker_lost": self.worker_lost}
+                    "auto_regime_switches": self.regime_switches,
+                    "auto_regime_probes_pruned": self.regime_probes_pruned, "auto_worker_lost": self.worker_lost}
                    if self.worker_rounds or self.worker_lost else {})}

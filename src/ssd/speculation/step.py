@@ -22,7 +22,7 @@ from ssd.engine.ar import ARStep
 from ssd.engine.model_runner import ModelRunner
 from ssd.engine.sequence import Sequence
 from ssd.engine.step import prefill_and_sample
-from ssd.speculation.chooser import Chooser, CostModel
+from ssd.speculation.chooser import Chooser, CostModel, best_plan, local_cost, rate
 from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
 from ssd.speculation.regime import WORKER, RegimePolicy
 from ssd.speculation.stats import SpecCounters
@@ -54,6 +54,7 @@ class SpeculativeStep:
         self.regime: RegimePolicy | None = None
         self.thread_split: tuple[int, int] | None = None      # (target threads: worker rounds, local rounds)
         self.worker_chooser: Chooser | None = None
+        self.worker_prefills_always = False     # the worker's cores are idle in local rounds (not taken back)
         self.batch_rows = lambda: 0     # the engine's count of unfinished requests (a new prefill joins them)
 
     def add_worker(self, worker: Proposer, regime: RegimePolicy, thread_split: tuple[int, int] | None) -> None:
@@ -82,13 +83,18 @@ class SpeculativeStep:
         self.on_failure(error)
 
     def prefill(self, seqs: list[Sequence]) -> None:
-        attach = self.worker is not None and self.regime.enabled and self.regime.current == WORKER
+        live = self.worker is not None and self.regime.enabled
+        worker_now = live and self.regime.current == WORKER
+        # the worker prefills the prompts on its own cores while the target does; in a local stint too
+        # when its cores are not the target's then (it would otherwise prefill the whole context on its
+        # first SSD round after, with the target waiting; later hand-overs find the prompt prefix-cached)
+        attach = worker_now or live and self.worker_prefills_always
         try:
             if getattr(self.proposer, "lazy", False):
                 # auto: prefill the in-process draft now (as SD does) when its rounds are the current
                 # regime and would draft for a batch this size; a lazy draft would feed the whole
                 # prompt in its first rounds, and a short probe of the local regime never repays that
-                eager = not attach and self.chooser is not None and \
+                eager = not worker_now and self.chooser is not None and \
                     self.chooser.would_speculate(max(self.batch_rows(), len(seqs)))
                 self.counters.eager_draft_prefills += len(seqs) if eager else 0
                 self.proposer.prefill(seqs, eager=eager)
@@ -115,9 +121,11 @@ class SpeculativeStep:
         """auto_ssd: the regime of this round, with the target's threads to match."""
         if self.regime is None:
             return self.proposer
-        before = self.regime.switches
-        use_worker = self.regime.pick(len(seqs)) == WORKER
+        before, pruned = self.regime.switches, self.regime.pruned
+        predict = (lambda regime: self.predicted_rate(seqs, regime)) if self.worker_prefills_always else None
+        use_worker = self.regime.pick(len(seqs), predict) == WORKER
         self.counters.regime_switches += self.regime.switches - before
+        self.counters.regime_probes_pruned += self.regime.pruned - pruned
         if self.thread_split is not None:
             n = self.thread_split[0 if use_worker else 1]
             if torch.get_num_threads() != n:
@@ -131,6 +139,22 @@ class SpeculativeStep:
         except ProposerFailed as e:
             self._worker_lost(e)
         return self.proposer
+
+    def predicted_rate(self, seqs: list[Sequence], regime: str) -> float | None:
+        """auto_ssd with the worker on cores of its own (the target has the same threads in both regimes):
+        tokens/s of the best plan for `seqs` in that regime, from the worker rounds' fits (the target's
+        cost; the worker's draft step, which the in-process draft also takes on one core). None until
+        worker rounds have measured a miss."""
+        cost = self.worker_chooser.cost
+        wait = cost.worker
+        if cost.unit is None or wait.per_token_s.n < 5:
+            return None
+        acc = [self.worker_chooser._acc(s.seq_id).value for s in seqs]
+        caps = [self.num_draft(s) for s in seqs]
+        if regime != WORKER:
+            cost = local_cost(cost, wait.per_token_s.value)
+        plan = best_plan(acc, caps, cost, floor=1 if regime == WORKER else 0)
+        return rate(plan, acc, cost) / cost.unit
 
     def _worker_lost(self, error: ProposerFailed) -> None:
         """auto_ssd: the worker died or stopped answering; auto goes on with the in-process draft."""
@@ -152,7 +176,10 @@ class SpeculativeStep:
             left = self.regime.probe_rounds_left() if self.regime is not None and local else None
             if left is not None:     # a probe of the local regime: a catch-up must pay off within it
                 remaining = [min(r, left) for r in remaining]
+            probes = chooser.probes, chooser.probes_skipped
             num_draft = chooser.plan([s.seq_id for s in seqs], caps, behind, remaining)
+            self.counters.probes += chooser.probes - probes[0]
+            self.counters.probes_skipped += chooser.probes_skipped - probes[1]
             if local and not any(num_draft):
                 return self._plain_round(seqs)
         retaken = not local and any(s.spec_state.detached for s in seqs)   # the worker prefills them first
