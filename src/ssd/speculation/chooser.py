@@ -63,7 +63,8 @@ class CostModel:
     target forward (so the priors below are relative): extra rows cost 10% of a step, a draft step 30%,
     a draft row 3%, a catch-up token 2% (catching up is one batched draft forward over the missed
     tokens, like a prefill; a 10% prior kept auto from ever drafting for short answers, so the term
-    was never measured)."""
+    was never measured). With `worker` (SSD rounds of auto_ssd) drafting is instead the expected wait
+    for the draft worker (worker_wait.py)."""
 
 
     def __init__(self, worker: WorkerWait | None = None):
@@ -109,7 +110,7 @@ def local_cost(worker_rounds: CostModel, draft_step: float) -> CostModel:
     worker on cores of its own: the target has the same threads in both regimes)."""
     m = CostModel()
     m.unit = worker_rounds.unit
-    m.target.set(list(worker_rounds.target._w))
+    m.target.set(worker_rounds.target.w.tolist())
     m.draft.set([draft_step, 0.0, 0.0])
     return m
 
@@ -223,13 +224,17 @@ class Chooser:
             self.per_seq[seq_id] = AcceptanceEstimate(self.global_acc.value, strength=PRIOR_ROUNDS)
         return self.per_seq[seq_id]
 
+    def acceptance(self, seq_ids: list[int]) -> list[float]:
+        """Each request's per-token acceptance estimate."""
+        return [self._acc(i).value for i in seq_ids]
+
     def plan(self, seq_ids: list[int], caps: list[int], behind: list[int] | None = None,
              remaining: list[int] | None = None) -> list[int]:
         """Draft lengths for this round; behind[b]: tokens b's draft must catch up on before it drafts;
         remaining[b]: tokens b may still produce (spreads a catch-up over the rest of the request)."""
         self.rounds += 1
         behind = behind or [0] * len(seq_ids)
-        acc = [self._acc(i).value for i in seq_ids]
+        acc = self.acceptance(seq_ids)
         new = best_plan(acc, caps, self.cost, behind, remaining, floor=self.floor)
         old = [max(min(self.last.get(i, k), c), min(self.floor, c)) for i, k, c in zip(seq_ids, new, caps)]
         if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * \

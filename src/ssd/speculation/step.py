@@ -149,7 +149,7 @@ class SpeculativeStep:
         wait = cost.worker
         if cost.unit is None or wait.per_token_s.n < 5:
             return None
-        acc = [self.worker_chooser._acc(s.seq_id).value for s in seqs]
+        acc = self.worker_chooser.acceptance([s.seq_id for s in seqs])
         caps = [self.num_draft(s) for s in seqs]
         if regime != WORKER:
             cost = local_cost(cost, wait.per_token_s.value)
