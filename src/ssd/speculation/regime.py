@@ -15,7 +15,8 @@ fewer probes, each of which costs a stint in the slower regime and two switches.
 Where the caller can predict the other regime's rate from a model (`pick(..., predict=...)`: auto_ssd
 with the worker on cores of its own, so both regimes run the target on the same threads), a probe or
 first visit is skipped when that prediction is `prune` short of the current regime's measured rate;
-a skipped probe backs off like a lost one (`pruned` counts them). Exactness does not depend on any of
+a skipped probe backs off like a lost one (`pruned` counts the stint ends at which a visit was
+skipped). Exactness does not depend on any of
 this: every round is verified by the same exact rejection sampling whichever proposer drafted it.
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ class RegimePolicy:
         self.seen: dict[tuple[str, int], int] = {}       # (regime, bucket) -> round it was last measured
         self.switches = 0
         self.prune = prune
-        self.pruned = 0                  # probes skipped: the other regime was predicted clearly slower
+        self.pruned = 0                  # stint ends at which a visit of the other regime (predicted clearly
+                                         # slower) was skipped
 
     def disable(self) -> None:
         """The worker failed: every later round is local."""
