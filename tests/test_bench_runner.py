@@ -285,6 +285,19 @@ def test_auto_vs_best_picks_the_best_fixed_cell():
     assert line.endswith("| - | 0.75 | 0.25 0.00 0.75 |"), line
 
 
+def test_auto_runs_keep_the_chooser_counters_and_the_cache_hits():
+    from ssd.bench.engine_runs import spec_stats
+    from ssd.speculation.stats import SpecSnapshot
+
+    before = SpecSnapshot()
+    after = SpecSnapshot(rounds=10, hits=3, misses=1, hits_by_k=(1, 2), misses_by_k=(1, 0), worker_rounds=4,
+                         rows_by_num_draft=(6, 4), plain_rounds=6, wait_s=1.0, verify_s=2.0)
+    got = spec_stats(None, "auto", before, after)
+    assert got["cache_hit_rate"] == 0.75 and got["cache_hit_rate_by_k"] == [0.5, 1.0]
+    assert got["auto_worker_round_share"] == 0.4 and got["auto_plain_round_share"] == 0.6
+    assert "ms_per_round" not in got            # the SSD-only keys stay out of auto's runs
+
+
 def test_paired_ratio_and_its_verdict():
     from ssd.bench.summary import auto_vs_best, goal_verdict, paired_ratio
 

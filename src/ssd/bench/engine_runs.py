@@ -139,8 +139,9 @@ def spec_stats(llm, mode: str, before, after) -> dict:
             return {"degraded_from": llm.engine.degraded_from}
         return {**after.delta(before).to_dict(), "degraded_from": llm.engine.degraded_from}
     if mode == "auto" and after is not None and before is not None:
-        # the chooser's decisions and predicted vs measured tokens/s
-        return {k: v for k, v in after.delta(before).to_dict().items() if k.startswith("auto_")}
+        # the chooser's decisions and predicted vs measured tokens/s; with a worker its cache hits too
+        return {k: v for k, v in after.delta(before).to_dict().items()
+                if k.startswith("auto_") or k in ("cache_hit_rate", "cache_hit_rate_by_k")}
     return {}
 
 
