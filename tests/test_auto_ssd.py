@@ -34,8 +34,8 @@ def test_auto_ssd_thread_split_and_what_it_says(monkeypatch, caplog, cores, thre
     cfg = SimpleNamespace(device="cpu", draft_host=None, draft_device=None, num_draft_workers=1, draft_cores=None,
                           threads=threads)
     with caplog.at_level("INFO", logger="ssd.llm"):
-        assert LLM._auto_ssd_threads(cfg) == want
-    assert LLM._auto_ssd_worker_apart(cfg, want) == (level == "INFO")   # idle in local rounds: prefills then
+        # apart (idle in local rounds, so it prefills then) only where nothing is taken back nor shared
+        assert LLM._auto_ssd_threads(cfg) == (want, level == "INFO")
     shares = [r for r in caplog.records if "share cores" in r.getMessage()]
     assert bool(shares) == (level == "WARNING")
     if level == "INFO":

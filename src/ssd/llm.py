@@ -75,7 +75,7 @@ class LLM:
                                         target_runner.block_manager.num_blocks)
         thread_split = None
         if cfg.mode == "auto" and cfg.auto_ssd:
-            thread_split = self._auto_ssd_threads(cfg)
+            thread_split, worker_apart = self._auto_ssd_threads(cfg)
             draft_client = self._start_worker(target_runner)
             self._clients = _as_clients(draft_client)
         eos = list(mcfg.eos_token_ids)
@@ -86,7 +86,7 @@ class LLM:
                                 Tracer() if cfg.trace else None, cfg.spec_max_batch, thread_split)
         self.engine.prefill_threads = cfg.prefill_threads or (thread_split[1] if thread_split else None)
         if cfg.mode == "auto" and cfg.auto_ssd:
-            self.engine.step_impl.worker_prefills_always = self._auto_ssd_worker_apart(cfg, thread_split)
+            self.engine.step_impl.worker_prefills_always = worker_apart
         self._clients = _as_clients(draft_client)
 
     @staticmethod
@@ -112,48 +112,35 @@ class LLM:
                      cfg.threads, cfg.prefill_threads, len(placement), worker)
 
     @staticmethod
-    def _auto_ssd_threads(cfg: EngineConfig) -> tuple[int, int] | None:
-        """auto_ssd on CPU with a local worker: the target's threads in SSD rounds (the cores the worker
-        does not use) and in the other rounds (all of them: the idle worker's cores are taken back)."""
+    def _auto_ssd_threads(cfg: EngineConfig) -> tuple[tuple[int, int] | None, bool]:
+        """auto_ssd: (the target's threads in SSD rounds and in the other rounds, or None to leave them
+        alone; whether the workers' cores, device or host stay apart from the target's in local rounds).
+        On CPU with local workers and cores to spare, SSD rounds leave the workers their cores and local
+        rounds take them back (so they are not apart); with `--threads` leaving the workers cores of
+        their own (the paper placement) the target keeps its threads and the workers stay apart, so they
+        may prefill new prompts in local rounds at no cost to the target."""
         import os
 
         from ssd.speculation.worker.placement import local_cores
 
         if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
-            return None
+            return None, True
         cores = len(os.sched_getaffinity(0))
         placement = local_cores(sorted(os.sched_getaffinity(0)), cfg.num_draft_workers, cfg.draft_cores)
         usable = cfg.threads or cores
         worker = sum(len(c) if c else 1 for c in placement)
-        if usable <= worker:
-            if usable + worker <= cores:     # e.g. the paper placement: --threads 1 and a worker core beside it
-                log.info("auto_ssd: the target keeps its %d thread(s) in every round and the draft workers their %d "
-                         "core(s); local rounds take no core back (--threads counts both: give it %d for that)",
-                         usable, worker, usable + worker)
-            else:
-                log.warning("auto_ssd: %d thread(s) for the target and %d core(s) for draft workers on %d usable "
-                            "core(s): they share cores", usable, worker, cores)
-            return None
-        log.info("auto_ssd: the target runs on %d thread(s) while the worker drafts, on %d otherwise",
-                 usable - worker, usable)
-        return usable - worker, usable
-
-    @staticmethod
-    def _auto_ssd_worker_apart(cfg: EngineConfig, thread_split: tuple[int, int] | None) -> bool:
-        """auto_ssd: whether the worker's cores (or device, or host) stay apart from the target's in
-        local rounds, so the worker may prefill new prompts then at no cost to the target."""
-        import os
-
-        if thread_split is not None:            # the target takes the worker's cores back
-            return False
-        if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
-            return True
-        from ssd.speculation.worker.placement import local_cores
-
-        cores = sorted(os.sched_getaffinity(0))
-        placement = local_cores(cores, cfg.num_draft_workers, cfg.draft_cores)
-        worker = sum(len(c) if c else 1 for c in placement)
-        return None not in placement and (cfg.threads or len(cores)) + worker <= len(cores)
+        if usable > worker:
+            log.info("auto_ssd: the target runs on %d thread(s) while the worker drafts, on %d otherwise",
+                     usable - worker, usable)
+            return (usable - worker, usable), False
+        if usable + worker <= cores:
+            log.info("auto_ssd: the target keeps its %d thread(s) in every round and the draft workers their %d "
+                     "core(s); local rounds take no core back (--threads counts both: give it %d for that)",
+                     usable, worker, usable + worker)
+            return None, True
+        log.warning("auto_ssd: %d thread(s) for the target and %d core(s) for draft workers on %d usable "
+                    "core(s): they share cores", usable, worker, cores)
+        return None, False
 
     def _start_tensor_parallel(self):
         """Check the split, then start ranks 1..N-1 (or wait for them) and load rank 0's shard. On a
