@@ -157,7 +157,7 @@ def test_a_regime_predicted_clearly_slower_is_not_visited(guess, visits):
 def test_a_pruned_probe_backs_off_and_a_better_prediction_lets_it_run():
     p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=WORKER)
     rates, guesses = {WORKER: 10.0, LOCAL: 20.0}, {WORKER: None}
-    run_predicted(p, rates, guesses, 40)                       # both measured: local is faster
+    run_predicted(p, rates, guesses, 80)                       # both measured: local is faster
     assert p.current == LOCAL
     guesses[WORKER] = 5.0                                      # the model says the worker is far slower
     seq = run_predicted(p, rates, guesses, 300)
@@ -165,6 +165,19 @@ def test_a_pruned_probe_backs_off_and_a_better_prediction_lets_it_run():
     guesses[WORKER] = 19.0                                     # ... until it does not
     seq = run_predicted(p, rates, guesses, 2000)
     assert WORKER in seq
+
+
+def test_a_first_visit_waits_for_a_prediction_it_may_then_skip():
+    """With a model that cannot predict yet, the first visit of the other regime waits (at most
+    probe_every rounds): a visit run before the model can predict it is the one pruning cannot save."""
+    rates = {WORKER: 18.0, LOCAL: 10.0}
+    control = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
+    assert run(control, rates, 8)[4] == LOCAL                  # the control, no model: visited at once
+    p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
+    guesses: dict[str, float | None] = {LOCAL: None}
+    assert LOCAL not in run_predicted(p, rates, guesses, 24) and p.deferred > 0
+    guesses[LOCAL] = 12.0                                      # the model can predict now: clearly slower
+    assert LOCAL not in run_predicted(p, rates, guesses, 200) and p.pruned > 0
 
 
 def test_disable_is_local_for_good():

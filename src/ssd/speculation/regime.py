@@ -16,7 +16,9 @@ Where the caller can predict the other regime's rate from a model (`pick(..., pr
 with the worker on cores of its own, so both regimes run the target on the same threads), a probe or
 first visit is skipped when that prediction is `prune` short of the current regime's measured rate;
 a skipped probe backs off like a lost one (`pruned` counts the stint ends at which a visit was
-skipped). Exactness does not depend on any of
+skipped). A first visit waits for such a prediction while there is none yet, for at most `probe_every`
+rounds (`deferred` counts the stint ends it waited at): without that, the first visit ran before the
+model had measured enough to skip it. Exactness does not depend on any of
 this: every round is verified by the same exact rejection sampling whichever proposer drafted it.
 """
 from __future__ import annotations
@@ -51,6 +53,7 @@ class RegimePolicy:
         self.prune = prune
         self.pruned = 0                  # stint ends at which a visit of the other regime (predicted clearly
                                          # slower) was skipped
+        self.deferred = 0                # stint ends at which a first visit waited for a prediction
 
     def disable(self) -> None:
         """The worker failed: every later round is local."""
@@ -72,7 +75,9 @@ class RegimePolicy:
                 self.interval[b] = min(2 * self.interval.get(b, base), self.max_probe_every) if better else base
             self._probing = None
             stale = self.rounds - self.seen.get((other, b), -10**9) > self.interval.get(b, self.probe_every)
-            if not better and (theirs is None or stale) and self._predicted_slower(predict, other, mine):
+            if theirs is None and not better and self._await_prediction(predict, other):
+                self.deferred += 1
+            elif not better and (theirs is None or stale) and self._predicted_slower(predict, other, mine):
                 self.pruned += 1
                 if theirs is not None:           # a probe skipped: as if run and lost (next one later)
                     self.seen[(other, b)] = self.rounds
@@ -83,6 +88,11 @@ class RegimePolicy:
                 self.current = other
                 self.switches += 1
         return self.current
+
+    def _await_prediction(self, predict, other: str) -> bool:
+        """A first visit waits (up to `probe_every` rounds) for the model to predict the other regime, so a
+        visit that the prediction would have skipped is not run before enough was measured to skip it."""
+        return predict is not None and self.rounds <= self.probe_every and predict(other) is None
 
     def _predicted_slower(self, predict, other: str, mine: float | None) -> bool:
         if predict is None or mine is None:
