@@ -229,6 +229,7 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
         assert m.hits + m.misses > 0 and m.worker_lost == 0
         d = m.to_dict()
         assert 0 < d["auto_worker_round_share"] < 1
+        assert 0 < sum(d["auto_worker_rows_by_num_draft"]) < sum(d["auto_rows_by_num_draft"])   # SSD rows apart
         w = step.worker_chooser.cost.worker       # worker rounds taught their chooser hits and waits
         assert w.h_full.n + w.h_part.n > 4 and w.hit_s.n + w.per_token_s.n > 4
         # with the worker apart, the policy is offered both regimes' predicted rates once misses are measured

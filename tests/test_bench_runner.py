@@ -283,6 +283,8 @@ def test_auto_vs_best_picks_the_best_fixed_cell():
     assert row["best_fixed"] == "sd k=2" and row["auto_vs_best"] == pytest.approx(0.95)   # peers are not ours
     line = auto_markdown([row])[-1]           # the shares of SSD rounds and of each chosen K are shown
     assert line.endswith("| - | 0.75 | 0.25 0.00 0.75 |"), line
+    row["auto_worker_rows_by_num_draft"] = [0, 0, 3]       # with a worker: local and SSD rounds apart
+    assert auto_markdown([row])[-1].endswith("| local 1.00 0.00 0.00; SSD 0.00 0.00 1.00 |")
 
 
 def test_auto_runs_keep_the_chooser_counters_and_the_cache_hits():
@@ -291,10 +293,12 @@ def test_auto_runs_keep_the_chooser_counters_and_the_cache_hits():
 
     before = SpecSnapshot()
     after = SpecSnapshot(rounds=10, hits=3, misses=1, hits_by_k=(1, 2), misses_by_k=(1, 0), worker_rounds=4,
-                         rows_by_num_draft=(6, 4), plain_rounds=6, wait_s=1.0, verify_s=2.0)
+                         rows_by_num_draft=(6, 4), worker_rows_by_num_draft=(0, 4), plain_rounds=6, wait_s=1.0,
+                         verify_s=2.0)
     got = spec_stats(None, "auto", before, after)
     assert got["cache_hit_rate"] == 0.75 and got["cache_hit_rate_by_k"] == [0.5, 1.0]
     assert got["auto_worker_round_share"] == 0.4 and got["auto_plain_round_share"] == 0.6
+    assert got["auto_worker_rows_by_num_draft"] == [0, 4]
     assert "ms_per_round" not in got            # the SSD-only keys stay out of auto's runs
 
 

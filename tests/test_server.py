@@ -598,7 +598,8 @@ def test_auto_ssd_server_counts_worker_rounds_switches_and_a_lost_worker(monkeyp
     llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
               kv_cache_gb=0.05, worker_timeout_s=10)
     names = {"ssd_auto_worker_rounds_total": "worker_rounds", "ssd_auto_regime_switches_total": "regime_switches",
-             "ssd_draft_worker_lost_total": "worker_lost", "ssd_auto_regime_probes_pruned_total": "regime_probes_pruned"}
+             "ssd_draft_worker_lost_total": "worker_lost", "ssd_auto_regime_probes_pruned_total": "regime_probes_pruned",
+             "ssd_auto_regime_visits_deferred_total": "regime_visits_deferred"}
     try:
         with BackgroundServer(build_app(llm)) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)

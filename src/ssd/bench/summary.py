@@ -196,9 +196,20 @@ def auto_vs_best(runs: list[dict], key: str = "decode_tokens_per_s") -> list[dic
                     "auto_value": a[key], "auto_vs_best": a[key] / best[key],
                     "auto_plain_round_share": a.get("auto_plain_round_share"),
                     "auto_worker_round_share": a.get("auto_worker_round_share"),
-                    "auto_rows_by_num_draft": a.get("auto_rows_by_num_draft"), "paired": paired,
+                    "auto_rows_by_num_draft": a.get("auto_rows_by_num_draft"),
+                    "auto_worker_rows_by_num_draft": a.get("auto_worker_rows_by_num_draft"), "paired": paired,
                     "verdict": goal_verdict(paired)})
     return out
+
+
+def _k_shares(rows_by_k: list[int], worker_rows_by_k: list[int]) -> str:
+    """The chosen draft lengths' shares of sequence-rounds (0..K); with a worker, local and SSD rounds apart."""
+    def shares(xs):
+        return " ".join(f"{n / sum(xs):.2f}" for n in xs) if sum(xs) else "-"
+    if not sum(worker_rows_by_k):
+        return shares(rows_by_k)
+    w = list(worker_rows_by_k) + [0] * (len(rows_by_k) - len(worker_rows_by_k))
+    return f"local {shares([a - b for a, b in zip(rows_by_k, w)])}; SSD {shares(w)}"
 
 
 def auto_markdown(rows: list[dict]) -> list[str]:
@@ -214,8 +225,7 @@ def auto_markdown(rows: list[dict]) -> list[str]:
     share_of = lambda x: "-" if x is None else f"{x:.2f}"     # noqa: E731
     for r in rows:
         share = r.get("auto_plain_round_share")
-        by_k = r.get("auto_rows_by_num_draft") or []
-        k_shares = " ".join(f"{n / sum(by_k):.2f}" for n in by_k) if sum(by_k) else "-"
+        k_shares = _k_shares(r.get("auto_rows_by_num_draft") or [], r.get("auto_worker_rows_by_num_draft") or [])
         p = r.get("paired")
         if p is None:
             n, ci = "-", "-"

@@ -98,6 +98,9 @@ class ServerMetrics:
                                             "and rounds with the in-process draft", registry=r)
         self.auto_regime_pruned = Counter("ssd_auto_regime_probes_pruned", "auto_ssd: visits of the other regime "
                                           "skipped because a model predicted it clearly slower", registry=r)
+        self.auto_regime_deferred = Counter("ssd_auto_regime_visits_deferred", "auto_ssd: stint ends at which a "
+                                            "first visit of the other regime waited for the model's prediction",
+                                            registry=r)
         self.auto_worker_lost = Counter("ssd_draft_worker_lost", "auto_ssd: the draft worker lost (1 once it "
                                         "died or stopped answering; auto goes on with the in-process draft only)", registry=r)
         if mode == "auto" and k:
@@ -190,6 +193,7 @@ class ServerMetrics:
                            (self.auto_worker_rounds, delta.worker_rounds),
                            (self.auto_regime_switches, delta.regime_switches),
                            (self.auto_regime_pruned, delta.regime_probes_pruned),
+                           (self.auto_regime_deferred, delta.regime_visits_deferred),
                            (self.auto_worker_lost, delta.worker_lost)):
             if n > 0:
                 counter.inc(n)

@@ -58,8 +58,10 @@ class SpecCounters:
     round_s: float = 0.0
     # mode "auto" with a draft worker (auto_ssd): rounds the worker served, regime switches, worker lost
     worker_rounds: int = 0
+    worker_rows_by_num_draft: list[int] = field(default_factory=list)   # as rows_by_num_draft, SSD rounds only
     regime_switches: int = 0
     regime_probes_pruned: int = 0   # regime probes skipped: the other regime was predicted clearly slower
+    regime_visits_deferred: int = 0  # stint ends at which a first visit waited for the model's prediction
     worker_lost: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -69,11 +71,14 @@ class SpecCounters:
         _grow(self.misses_by_k, k + 1)
 
     def record_choice(self, num_draft: list[int], predicted_tokens: float, predicted_s: float, committed: int,
-                      seconds: float) -> None:
+                      seconds: float, worker: bool = False) -> None:
         self.plain_rounds += not any(num_draft)
         for k in num_draft:
             _grow(self.rows_by_num_draft, k + 1)
             self.rows_by_num_draft[k] += 1
+            if worker:
+                _grow(self.worker_rows_by_num_draft, k + 1)
+                self.worker_rows_by_num_draft[k] += 1
         self.predicted_tokens += predicted_tokens
         self.predicted_s += predicted_s
         self.committed_tokens += committed
@@ -127,8 +132,10 @@ class SpecSnapshot:
     committed_tokens: int = 0
     round_s: float = 0.0
     worker_rounds: int = 0
+    worker_rows_by_num_draft: tuple[int, ...] = ()
     regime_switches: int = 0
     regime_probes_pruned: int = 0
+    regime_visits_deferred: int = 0
     worker_lost: int = 0
     wall_s: float = 0.0
 
@@ -177,6 +184,8 @@ class SpecSnapshot:
                     "auto_measured_tokens_per_s": per(self.committed_tokens, self.round_s)}
                    if self.rows_by_num_draft else {}),
                 **({"auto_worker_round_share": per(self.worker_rounds, self.rounds),
+                    "auto_worker_rows_by_num_draft": list(self.worker_rows_by_num_draft),
                     "auto_regime_switches": self.regime_switches,
-                    "auto_regime_probes_pruned": self.regime_probes_pruned, "auto_worker_lost": self.worker_lost}
+                    "auto_regime_probes_pruned": self.regime_probes_pruned,
+                    "auto_regime_visits_deferred": self.regime_visits_deferred, "auto_worker_lost": self.worker_lost}
                    if self.worker_rounds or self.worker_lost else {})}

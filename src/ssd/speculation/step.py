@@ -121,11 +121,12 @@ class SpeculativeStep:
         """auto_ssd: the regime of this round, with the target's threads to match."""
         if self.regime is None:
             return self.proposer
-        before, pruned = self.regime.switches, self.regime.pruned
+        before, pruned, deferred = self.regime.switches, self.regime.pruned, self.regime.deferred
         predict = (lambda regime: self.predicted_rate(seqs, regime)) if self.worker_prefills_always else None
         use_worker = self.regime.pick(len(seqs), predict) == WORKER
         self.counters.regime_switches += self.regime.switches - before
         self.counters.regime_probes_pruned += self.regime.pruned - pruned
+        self.counters.regime_visits_deferred += self.regime.deferred - deferred
         if self.thread_split is not None:
             n = self.thread_split[0 if use_worker else 1]
             if torch.get_num_threads() != n:
@@ -214,7 +215,8 @@ class SpeculativeStep:
         committed = sum(len(s.output_token_ids) - b0 for s, b0 in zip(seqs, before))
         if chooser is not None:
             sent = [len(d) for d in proposal.tokens]
-            self.counters.record_choice(sent, chooser.predicted_tokens, chooser.predicted_s, committed, t2 - t0)
+            self.counters.record_choice(sent, chooser.predicted_tokens, chooser.predicted_s, committed, t2 - t0,
+                                        worker=not local)
             caught_up = sum(t for t, k in zip(behind, sent) if k > 0)
             chooser.observe([s.seq_id for s in seqs], sent, accepted, t1 - t0, t2 - t1, caught_up)
         proposer.observe(seqs, lens, accepted, proposal)
