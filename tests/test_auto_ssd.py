@@ -126,10 +126,22 @@ def test_a_probe_stint_says_how_many_rounds_it_has_left():
 
 
 def test_batch_size_buckets_have_their_own_estimates():
-    p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
+    p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
     run(p, {WORKER: 10.0, LOCAL: 20.0}, 16, batch=1)
-    seq = run(p, {WORKER: 30.0, LOCAL: 20.0}, 24, batch=8)     # a new bucket: measured afresh
-    assert WORKER in seq[-8:] and p.rate[(WORKER, 3)] > p.rate[(LOCAL, 3)]
+    seq = run(p, {WORKER: 30.0, LOCAL: 20.0}, 64, batch=8)     # a new bucket: measured afresh (by a probe,
+    assert WORKER in seq[-8:] and p.rate[(WORKER, 3)] > p.rate[(LOCAL, 3)]   # the worker having lost at 1)
+
+
+@pytest.mark.parametrize("worker_at_1, first_visit_at_8", [
+    (30.0, 4),      # the control: the worker won at batch 1: its first visit at batch 8 ends the first stint
+    (10.0, 40),     # it lost at batch 1: at batch 8 it waits for a probe interval (32 rounds) first
+])
+def test_a_regime_that_lost_at_a_smaller_batch_is_visited_later_at_a_larger_one(worker_at_1, first_visit_at_8):
+    p = RegimePolicy(dwell=4, probe_every=32, start=LOCAL)
+    p.rate.update({(WORKER, 0): worker_at_1, (LOCAL, 0): 20.0})     # as measured at batch 1
+    seq = run(p, {WORKER: 5.0, LOCAL: 20.0}, 48, batch=8)
+    assert seq.index(WORKER) == first_visit_at_8
+    assert (p.deferred > 0) == (worker_at_1 < 20.0)
 
 
 def run_predicted(policy: RegimePolicy, rates: dict[str, float], guesses: dict[str, float | None],

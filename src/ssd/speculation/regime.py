@@ -18,7 +18,10 @@ first visit is skipped when that prediction is `prune` short of the current regi
 a skipped probe backs off like a lost one (`pruned` counts the stint ends at which a visit was
 skipped). A first visit waits for such a prediction while there is none yet, for at most `probe_every`
 rounds (`deferred` counts the stint ends it waited at): without that, the first visit ran before the
-model had measured enough to skip it. Exactness does not depend on any of
+model had measured enough to skip it. Where the worker regime lost at the nearest smaller batch-size
+bucket, its first visit at a larger one waits a probe interval too (SSD's edge shrinks as the batch
+grows; `deferred` counts these waits as well): the first visits of each new bucket were most of
+what auto lost in a short run at batch 4. Exactness does not depend on any of
 this: every round is verified by the same exact rejection sampling whichever proposer drafted it.
 """
 from __future__ import annotations
@@ -69,25 +72,40 @@ class RegimePolicy:
             other = LOCAL if self.current == WORKER else WORKER
             b = bucket(batch_size)
             mine, theirs = self.rate.get((self.current, b)), self.rate.get((other, b))
-            better = mine is None or theirs is not None and theirs > mine * (1 + self.hysteresis)
+            # SSD's edge shrinks as the batch grows (more verify rows, more drafting per round): where the
+            # worker lost at the nearest smaller batch, it is not visited first at this one (a probe later)
+            doubt = theirs is None and other == WORKER and self._worker_lost_below(b)
+            better = mine is None and not doubt or theirs is not None and theirs > mine * (1 + self.hysteresis)
             if self._probing == b:       # the probe stint just measured: back off if it lost
                 base = self.probe_every
                 self.interval[b] = min(2 * self.interval.get(b, base), self.max_probe_every) if better else base
             self._probing = None
+            missing = theirs is None and not doubt
+            if doubt:
+                self.seen.setdefault((other, b), self.rounds)
             stale = self.rounds - self.seen.get((other, b), -10**9) > self.interval.get(b, self.probe_every)
-            if theirs is None and not better and self._await_prediction(predict, other):
+            if not better and (missing and self._await_prediction(predict, other) or doubt and not stale):
                 self.deferred += 1
-            elif not better and (theirs is None or stale) and self._predicted_slower(predict, other, mine):
+            elif not better and (missing or stale) and self._predicted_slower(predict, other, mine):
                 self.pruned += 1
                 if theirs is not None:           # a probe skipped: as if run and lost (next one later)
                     self.seen[(other, b)] = self.rounds
                     self.interval[b] = min(2 * self.interval.get(b, self.probe_every), self.max_probe_every)
-            elif better or theirs is None or stale:
+            elif better or missing or stale:
                 if not better:
                     self._probing = b
                 self.current = other
                 self.switches += 1
         return self.current
+
+    def _worker_lost_below(self, b: int) -> bool:
+        """Whether the worker regime measured slower than the local one at the nearest smaller batch-size
+        bucket where both were measured."""
+        for lower in range(b - 1, -1, -1):
+            w, loc = self.rate.get((WORKER, lower)), self.rate.get((LOCAL, lower))
+            if w is not None and loc is not None:
+                return w < loc
+        return False
 
     def _await_prediction(self, predict, other: str) -> bool:
         """A first visit waits (up to `probe_every` rounds) for the model to predict the other regime, so a
