@@ -99,7 +99,8 @@ class ServerMetrics:
         self.auto_regime_pruned = Counter("ssd_auto_regime_probes_pruned", "auto_ssd: visits of the other regime "
                                           "skipped because a model predicted it clearly slower", registry=r)
         self.auto_regime_deferred = Counter("ssd_auto_regime_visits_deferred", "auto_ssd: stint ends at which a "
-                                            "first visit of the other regime waited for the model's prediction",
+                                            "first visit of the other regime waited (for the model's prediction, "
+                                            "or because SSD rounds lost at a smaller batch)",
                                             registry=r)
         self.auto_worker_lost = Counter("ssd_draft_worker_lost", "auto_ssd: the draft worker lost (1 once it "
                                         "died or stopped answering; auto goes on with the in-process draft only)", registry=r)

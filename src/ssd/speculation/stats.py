@@ -61,7 +61,8 @@ class SpecCounters:
     worker_rows_by_num_draft: list[int] = field(default_factory=list)   # as rows_by_num_draft, SSD rounds only
     regime_switches: int = 0
     regime_probes_pruned: int = 0   # regime probes skipped: the other regime was predicted clearly slower
-    regime_visits_deferred: int = 0  # stint ends at which a first visit waited for the model's prediction
+    regime_visits_deferred: int = 0  # stint ends at which a first visit waited (for a prediction, or: SSD lost
+                                     # at a smaller batch)
     worker_lost: int = 0
     started: float = field(default_factory=time.perf_counter)
 
