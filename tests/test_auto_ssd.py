@@ -145,12 +145,12 @@ def test_a_regime_that_lost_at_a_smaller_batch_is_visited_later_at_a_larger_one(
 
 
 def run_predicted(policy: RegimePolicy, rates: dict[str, float], guesses: dict[str, float | None],
-                  rounds: int) -> list[str]:
+                  rounds: int, batch: int = 1) -> list[str]:
     out = []
     for _ in range(rounds):
-        r = policy.pick(1, guesses.get)
+        r = policy.pick(batch, guesses.get)
         out.append(r)
-        policy.observe(1, 10, 10 / rates[r])
+        policy.observe(batch, 10, 10 / rates[r])
     return out
 
 
@@ -190,6 +190,14 @@ def test_a_first_visit_waits_for_a_prediction_it_may_then_skip():
     assert LOCAL not in run_predicted(p, rates, guesses, 24) and p.deferred > 0
     guesses[LOCAL] = 12.0                                      # the model can predict now: clearly slower
     assert LOCAL not in run_predicted(p, rates, guesses, 200) and p.pruned > 0
+
+
+def test_a_deferred_first_visit_pruned_when_due_backs_off_like_a_probe():
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=LOCAL)
+    p.rate.update({(WORKER, 0): 10.0, (LOCAL, 0): 20.0})        # the worker lost at batch 1
+    seq = run_predicted(p, {WORKER: 5.0, LOCAL: 20.0}, {WORKER: 5.0}, 200, batch=8)
+    assert WORKER not in seq
+    assert 1 <= p.pruned <= 3        # due after 32 rounds, then 64, 128 (not at every stint end after the first)
 
 
 def test_disable_is_local_for_good():

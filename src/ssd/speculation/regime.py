@@ -56,7 +56,8 @@ class RegimePolicy:
         self.prune = prune
         self.pruned = 0                  # stint ends at which a visit of the other regime (predicted clearly
                                          # slower) was skipped
-        self.deferred = 0                # stint ends at which a first visit waited for a prediction
+        self.deferred = 0                # stint ends at which a first visit waited (for a prediction, or
+                                         # because the worker lost at a smaller batch)
 
     def disable(self) -> None:
         """The worker failed: every later round is local."""
@@ -88,7 +89,7 @@ class RegimePolicy:
                 self.deferred += 1
             elif not better and (missing or stale) and self._predicted_slower(predict, other, mine):
                 self.pruned += 1
-                if theirs is not None:           # a probe skipped: as if run and lost (next one later)
+                if theirs is not None or doubt:  # a probe skipped: as if run and lost (next one later)
                     self.seen[(other, b)] = self.rounds
                     self.interval[b] = min(2 * self.interval.get(b, self.probe_every), self.max_probe_every)
             elif better or missing or stale:
