@@ -89,3 +89,25 @@ def test_worker_rounds_draft_at_least_one_token_and_pick_the_best_such_plan():
     assert best_plan([0.3, 0.3], [4, 0], m, floor=1) == [1, 0]   # a cap of 0 stays 0
     ch = Chooser(4, cost=m, floor=1, hysteresis=0.1, plain_probe_every=0)   # as step.py makes it
     assert all(min(ch.plan([1, 2], [4, 4])) >= 1 for _ in range(40))
+
+
+def test_the_local_regime_is_predicted_with_the_catch_up_of_its_draft():
+    """auto_ssd's prediction of a local stint (worker apart): the worker rounds' target line, one draft
+    step per draft token, and the catch-up of a draft that sat out the worker rounds, spread over the
+    stint. The control: without the catch-up price the prediction does not change with how far
+    behind the draft is."""
+    from ssd.speculation.chooser import local_cost, rate
+
+    worker = CostModel(worker=WorkerWait())
+    worker.unit = 0.1
+    acc, caps, stint = [0.8], [4], [16]
+
+    def predicted(catch_up, behind):
+        m = local_cost(worker, 0.3, catch_up)
+        plan = best_plan(acc, caps, m, [behind], stint)
+        return rate(plan, acc, m, [behind], stint)
+
+    assert predicted(0.0, 500) == pytest.approx(predicted(0.0, 0))            # the control
+    in_step, one_stint, a_prompt = predicted(0.02, 0), predicted(0.02, 40), predicted(0.02, 500)
+    plain = 1.0 / worker.target_s(1)          # a stint of plain steps: what a far-behind draft is worth
+    assert in_step > one_stint >= a_prompt == pytest.approx(plain) and plain < 0.8 * in_step

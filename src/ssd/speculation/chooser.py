@@ -57,6 +57,9 @@ class RLS:
         return sum(a * b for a, b in zip(self._w, x))
 
 
+CATCH_UP_PRIOR = 0.02      # a draft's catch-up per missed token, in units of a target forward (see CostModel)
+
+
 class CostModel:
     """Target forward time a + b R; draft time c per step + d per row + e per catch-up token (a draft
     that sat out plain rounds first feeds the tokens it missed). Fitted in units of the first measured
@@ -70,7 +73,7 @@ class CostModel:
     def __init__(self, worker: WorkerWait | None = None):
         self.unit: float | None = None
         self.target = RLS([1.0, 0.1])
-        self.draft = RLS([0.3, 0.03, 0.02])
+        self.draft = RLS([0.3, 0.03, CATCH_UP_PRIOR])
         # SSD rounds: the worker drafts during the verify; the target waits for it only on a cache miss
         self.worker = worker
 
@@ -104,14 +107,15 @@ class CostModel:
             self.worker.observe_round(all_hit, k, seconds / self.unit)
 
 
-def local_cost(worker_rounds: CostModel, draft_step: float) -> CostModel:
+def local_cost(worker_rounds: CostModel, draft_step: float, catch_up: float = 0.0) -> CostModel:
     """The in-process draft's rounds as the worker rounds' fits see them (same units): the same target
-    line, and drafting that takes `draft_step` per step, in series with the target (auto_ssd with the
-    worker on cores of its own: the target has the same threads in both regimes)."""
+    line, and drafting that takes `draft_step` per step and `catch_up` per token it missed, in series
+    with the target (auto_ssd with the worker on cores of its own: the target has the same threads in
+    both regimes)."""
     m = CostModel()
     m.unit = worker_rounds.unit
     m.target.set(worker_rounds.target.w.tolist())
-    m.draft.set([draft_step, 0.0, 0.0])
+    m.draft.set([draft_step, 0.0, catch_up])
     return m
 
 

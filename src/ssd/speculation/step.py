@@ -22,7 +22,7 @@ from ssd.engine.ar import ARStep
 from ssd.engine.model_runner import ModelRunner
 from ssd.engine.sequence import Sequence
 from ssd.engine.step import prefill_and_sample
-from ssd.speculation.chooser import Chooser, CostModel, best_plan, local_cost, rate
+from ssd.speculation.chooser import CATCH_UP_PRIOR, Chooser, CostModel, best_plan, local_cost, rate
 from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
 from ssd.speculation.regime import WORKER, RegimePolicy
 from ssd.speculation.stats import SpecCounters
@@ -152,10 +152,17 @@ class SpeculativeStep:
             return None
         acc = self.worker_chooser.acceptance([s.seq_id for s in seqs])
         caps = [self.num_draft(s) for s in seqs]
+        behind = remaining = None
         if regime != WORKER:
-            cost = local_cost(cost, wait.per_token_s.value)
-        plan = best_plan(acc, caps, cost, floor=1 if regime == WORKER else 0)
-        return rate(plan, acc, cost) / cost.unit
+            # a visit of the local regime is a stint of `dwell` rounds whose draft first catches up on what
+            # it missed (a lazy draft: the whole prompt); as in a probe, that is spread over the stint only
+            local = self.chooser.cost
+            per_token = local.draft.w[2].item() * local.unit / cost.unit if local.unit else CATCH_UP_PRIOR
+            cost = local_cost(cost, wait.per_token_s.value, max(per_token, 0.0))
+            behind = self.proposer.behind(seqs)
+            remaining = [min(s.remaining_tokens(), self.regime.dwell) for s in seqs]
+        plan = best_plan(acc, caps, cost, behind, remaining, floor=1 if regime == WORKER else 0)
+        return rate(plan, acc, cost, behind, remaining) / cost.unit
 
     def _worker_lost(self, error: ProposerFailed) -> None:
         """auto_ssd: the worker died or stopped answering; auto goes on with the in-process draft."""
