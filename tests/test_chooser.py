@@ -52,6 +52,25 @@ def test_hysteresis_keeps_the_plan_unless_clearly_better():
         assert ch.plan([1], [4]) == want
 
 
+def test_a_shorter_draft_needs_a_smaller_margin_than_a_longer_one():
+    """auto's worker rounds: a shorter ask is served from the chains pre-drafted at the last length, a
+    longer one misses them, so shortening needs 3% and lengthening 10% (the control, 10% both ways,
+    keeps a K that is 8% slower)."""
+    m = model(b=0.05, c=0.1, d=0.01)
+    assert rate([2], [0.55], m) / rate([4], [0.55], m) == pytest.approx(1.082, abs=1e-3)   # K=2 8.2% better
+    assert rate([4], [0.9], m) / rate([3], [0.9], m) == pytest.approx(1.078, abs=1e-3)     # K=4 7.8% better
+
+    def plan(a, last, down):
+        ch = Chooser(k=4, hysteresis=0.1, hysteresis_down=down)
+        ch.cost = m
+        ch.per_seq[1] = AcceptanceEstimate(a, strength=1e6)
+        ch.last[1] = last
+        return ch.plan([1], [4])
+
+    assert plan(0.55, 4, 0.03) == [2] and plan(0.55, 4, None) == [4]
+    assert plan(0.9, 3, 0.03) == [3]                  # up: still 10%
+
+
 def test_a_draft_far_behind_is_charged_its_catch_up_over_the_rest_of_the_request():
     m = model(b=0.02, c=0.2, d=0.02, e=0.2)
     assert best_plan([0.7], [4], m, behind=[0], remaining=[10]) != [0]

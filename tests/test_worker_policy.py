@@ -47,6 +47,21 @@ def test_predraft_budget_sizes_itself_to_the_verify_time():
     assert BudgetPolicy(k=3, fixed=2).budget(1, cap=64) == 2
 
 
+def test_predraft_budget_counts_the_steps_of_the_chains_asked_for():
+    """auto asks a worker started with K = 4 for shorter drafts; its chains are then that long, so the
+    budget and the slowdown must count their steps, not K's (with K's, auto's worker pre-drafted 1.7
+    chains per round where fixed SSD at K = 2 pre-drafted 2.1)."""
+    short = BudgetPolicy(k=4, step_s=0.010, row_cost=0.25)
+    two = BudgetPolicy(k=2, step_s=0.010, row_cost=0.25)
+    short.verify_s = two.verify_s = 0.100
+    assert short.budget(1, cap=64, steps=2) == two.budget(1, cap=64) > short.budget(1, cap=64)
+    took = 0.01 + 2 * 0.01 * (1 + 0.25 * (two.budget(1, cap=64) - 1))     # exactly as modelled
+    short.observe_predraft(1, two.budget(1, cap=64), completed=True, took_s=took, steps=2)
+    assert short.slowdown.value == pytest.approx(1.0)
+    short.observe_predraft(1, two.budget(1, cap=64), completed=True, took_s=took)   # priced as 4 steps
+    assert short.slowdown.value < 0.95
+
+
 def _roundtrip(msg, vocab=None):
     kind, ints, floats = m.encode(msg)
     return m.decode(int(kind), ints, floats, vocab)

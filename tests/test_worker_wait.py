@@ -111,3 +111,26 @@ def test_the_local_regime_is_predicted_with_the_catch_up_of_its_draft():
     in_step, one_stint, a_prompt = predicted(0.02, 0), predicted(0.02, 40), predicted(0.02, 500)
     plain = 1.0 / worker.target_s(1)          # a stint of plain steps: what a far-behind draft is worth
     assert in_step > one_stint >= a_prompt == pytest.approx(plain) and plain < 0.8 * in_step
+
+
+def test_a_longer_ask_than_the_last_teaches_neither_hit_rates_nor_the_miss_wait():
+    """A chain pre-drafted at the last length is too short for a longer ask: that miss says nothing of
+    how often the worker guesses the outcome, and its wait (the chain finished just in time) is not a
+    miss's. The control: the same miss at the last length is learned."""
+    from types import SimpleNamespace as NS
+
+    from ssd.speculation.step import SpeculativeStep
+    from ssd.speculation.worker.messages import Source
+
+    def observe(last_k, k):
+        ch = Chooser(4, cost=CostModel(worker=WorkerWait()), floor=1)
+        ch.cost.unit = 0.1
+        seq = NS(spec_state=NS(num_draft=last_k, accepted=last_k))
+        proposal = NS(sources=[Source.PARTIAL], tokens=[[7] * k])
+        SpeculativeStep._observe_wait(NS(worker_chooser=ch), [seq], proposal, 0.01, False)
+        w = ch.cost.worker
+        return w.h_full.n, w.per_token_s.n
+
+    prior = observe(0, 1)                   # no speculation last round: no lookup, a wait observed
+    assert observe(3, 3) == (prior[0] + 1, prior[1])     # the control: a lookup and a wait learned
+    assert observe(2, 3) == (prior[0], prior[1] - 1)     # grown: neither

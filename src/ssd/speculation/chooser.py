@@ -198,8 +198,11 @@ class Chooser:
 
     def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int | None = None,
                  cost: CostModel | None = None, shares_acceptance: "Chooser | None" = None,
-                 plain_probe_every: int = 32, floor: int = 0):
+                 plain_probe_every: int = 32, floor: int = 0, hysteresis_down: float | None = None):
         self.k, self.hysteresis, self.probe_every = k, hysteresis, probe_every
+        # the margin a plan that only shortens drafts needs (worker rounds: a shorter ask is served from
+        # the chains pre-drafted at the longer length, a longer one misses them)
+        self.hysteresis_down = hysteresis if hysteresis_down is None else hysteresis_down
         self.floor = floor              # draft at least this many tokens where the cap allows (worker rounds: 1)
         # probe only drafts at most this far behind (default: the rounds since the last probe, which a
         # draft that sat out plain rounds since then is; its catch-up is one batched draft forward)
@@ -241,8 +244,8 @@ class Chooser:
         acc = self.acceptance(seq_ids)
         new = best_plan(acc, caps, self.cost, behind, remaining, floor=self.floor)
         old = [max(min(self.last.get(i, k), c), min(self.floor, c)) for i, k, c in zip(seq_ids, new, caps)]
-        if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * \
-                (1 + self.hysteresis):
+        margin = self.hysteresis_down if all(n <= o for n, o in zip(new, old)) else self.hysteresis
+        if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * (1 + margin):
             new = old
         if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
             idle = [b for b, (k, c) in enumerate(zip(new, caps)) if k == 0 and c > 0 and behind[b] <= self.probe_behind]

@@ -63,10 +63,10 @@ class SpeculativeStep:
         if self.chooser is not None:
             # K per sequence in worker rounds too: the worker drafts while the target verifies, so a
             # round costs its verify rows plus the wait on a cache miss, priced by the measured hit
-            # rates and miss wait (worker_wait.py). A change of K costs cache hits (chains are
-            # pre-drafted at the last length): 10% hysteresis. At least one token per sequence: a
-            # worker with nothing out has nothing to pre-draft for
-            self.worker_chooser = Chooser(self.k, hysteresis=0.1, probe_every=10**9,
+            # rates and miss wait (worker_wait.py). A longer K misses the chains pre-drafted at the last
+            # length: 10% hysteresis up; a shorter one is served from them: 3% down. At least one token
+            # per sequence: a worker with nothing out has nothing to pre-draft for
+            self.worker_chooser = Chooser(self.k, hysteresis=0.1, hysteresis_down=0.03, probe_every=10**9,
                                           cost=CostModel(worker=WorkerWait()),
                                           shares_acceptance=self.chooser, plain_probe_every=0, floor=1)
 
@@ -238,12 +238,14 @@ class SpeculativeStep:
         """auto_ssd: teach the worker rounds' cost model the cache hits and the wait of this round (before
         the proposer's observe: spec_state still describes the previous round)."""
         cost = self.worker_chooser.cost
+        grown = False       # an ask longer than the last one: its chains were pre-drafted too short
         for s, src, d in zip(seqs, proposal.sources, proposal.tokens):
             st = s.spec_state
-            if st.num_draft and d and (src == Source.CACHE or src in _MISS):
+            grown |= bool(st.num_draft) and len(d) > st.num_draft
+            if st.num_draft and len(d) <= st.num_draft and d and (src == Source.CACHE or src in _MISS):
                 cost.worker.observe_lookup(st.accepted == st.num_draft, src == Source.CACHE)
         k = max((len(d) for d in proposal.tokens), default=0)
-        if not retaken:
+        if not retaken and not grown:
             hit = all(src == Source.CACHE for src, d in zip(proposal.sources, proposal.tokens) if d)
             cost.observe_wait(hit, k, wait_s)
 

@@ -34,24 +34,28 @@ class BudgetPolicy:
     def step_time(self, rows: int) -> float:
         return self.step_s * (1 + self.row_cost * (rows - 1))
 
-    def budget(self, nseq: int, cap: int) -> int:
+    def budget(self, nseq: int, cap: int, steps: int | None = None) -> int:
+        """steps: the chains' length this round (default K; auto asks for less)."""
         cap = max(1, cap)
+        k = self.k if steps is None else max(1, steps)
         if self.fixed is not None:
             return min(self.fixed, cap)
         if not self.step_s or not self.verify_s:
             return 1
         step = self.step_s * self.slowdown.value
-        b = budget_from_timings(self.verify_s, step, self.k, nseq, row_cost=self.row_cost,
+        b = budget_from_timings(self.verify_s, step, k, nseq, row_cost=self.row_cost,
                                 overhead_s=step * (1 + self.row_cost * (nseq - 1)), safety=self.safety,
                                 max_budget=cap)
         return max(1, b)
 
-    def observe_predraft(self, nseq: int, budget: int, completed: bool, took_s: float) -> None:
-        """Learn the slowdown: measured over modelled time of a complete pre-draft. A pre-draft cut
-        short only says it was slower than the verification allowed."""
+    def observe_predraft(self, nseq: int, budget: int, completed: bool, took_s: float,
+                         steps: int | None = None) -> None:
+        """Learn the slowdown: measured over modelled time of a complete pre-draft (of chains `steps`
+        long; default K). A pre-draft cut short only says it was slower than the verification allowed."""
         if not self.step_s:
             return
-        ratio = took_s / (self.step_time(nseq) + self.k * self.step_time(nseq * budget))
+        k = self.k if steps is None else max(1, steps)
+        ratio = took_s / (self.step_time(nseq) + k * self.step_time(nseq * budget))
         self.slowdown.update(ratio if completed else max(ratio, self.slowdown.value * 1.25))
 
 

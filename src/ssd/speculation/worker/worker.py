@@ -240,7 +240,8 @@ class DraftWorker:
         if not seqs:
             return 0
         cap = max(1, self.cache.free_regions // len(seqs))
-        per_seq = self.budget.budget(len(seqs), cap)
+        steps = max(len(s.spec) for s in seqs)      # batched draft steps: the longest chain's length
+        per_seq = self.budget.budget(len(seqs), cap, steps)
         jobs = []
         for s in seqs:
             n = len(s.spec)
@@ -257,7 +258,7 @@ class DraftWorker:
         took = time.perf_counter() - t0
         log.debug("pre-draft: %d chains, budget %d, late %s, %.0f ms (verify %.0f ms)", len(jobs), per_seq, late,
                   1e3 * took, 1e3 * self.budget.verify_s)
-        self.budget.observe_predraft(len(seqs), per_seq, not stopped and not late, took)
+        self.budget.observe_predraft(len(seqs), per_seq, not stopped and not late, took, steps)
         self._spent(SpanKind.PREDRAFT, t0)
         return len(chains)
 
