@@ -175,3 +175,26 @@ def test_hf_generate_ignores_eos(tiny_models, tmp_path):
     model.save_pretrained(str(tmp_path / "eos"))
     res = hf_generate(tmp_path / "eos", PROMPTS[:1], 8, "float32", 1, progress=False, warmup=False)
     assert res.generated[0] == expected
+
+
+def test_pooled_auto_vs_best_pairs_batches_within_each_report():
+    """Replicates pooled: run 2 ran at twice the speed of run 1, but auto / SSD is 0.9 in every pair of
+    both, so the pooled paired ratio is 0.9 with no spread; a cell not in every report is left out."""
+    import math
+
+    from ssd.bench.pool import pooled_auto_vs_best
+
+    def run(label, mode, xs, ds="code"):
+        return {"label": label, "mode": mode, "dataset": ds, "batch_size": 1, "batch_decode_tokens_per_s": xs}
+
+    one = {"runs": [run("ar", "ar", [5.0, 6.0]), run("ssd k=2", "ssd", [8.0, 10.0]),
+                    run("auto k<=2", "auto", [7.2, 9.0]), run("ar", "ar", [5.0], ds="chat"),
+                    run("auto k<=2", "auto", [6.0], ds="chat")]}
+    two = {"runs": [run("ar", "ar", [10.0, 12.0]), run("ssd k=2", "ssd", [16.0, 20.0]),
+                    run("auto k<=2", "auto", [14.4, 18.0])]}
+    rows = pooled_auto_vs_best([one, two])
+    assert [(r["dataset"], r["best_fixed"]) for r in rows] == [("code", "ssd k=2")]
+    p = rows[0]["paired"]
+    assert p["n"] == 4 and p["ratio"] == pytest.approx(0.9) and p["lo"] == pytest.approx(0.9)
+    assert rows[0]["verdict"] == "missed"
+    assert rows[0]["geomeans"]["ssd k=2"] == pytest.approx(math.exp(sum(map(math.log, [8, 10, 16, 20])) / 4))
