@@ -198,3 +198,23 @@ def test_pooled_auto_vs_best_pairs_batches_within_each_report():
     assert p["n"] == 4 and p["ratio"] == pytest.approx(0.9) and p["lo"] == pytest.approx(0.9)
     assert rows[0]["verdict"] == "missed"
     assert rows[0]["geomeans"]["ssd k=2"] == pytest.approx(math.exp(sum(map(math.log, [8, 10, 16, 20])) / 4))
+
+
+def test_ssd_bench_pool_prints_the_pooled_table(tmp_path, capsys):
+    """`ssd bench --pool A.json B.json` through the CLI: one row per cell with the pooled paired ratio."""
+    import json
+
+    from ssd.cli import main
+
+    def run(label, mode, xs):
+        return {"label": label, "mode": mode, "dataset": "code", "batch_size": 1, "batch_decode_tokens_per_s": xs}
+
+    files = []
+    for i, scale in enumerate((1.0, 2.0)):
+        f = tmp_path / f"r{i}.json"
+        f.write_text(json.dumps({"runs": [run("ssd k=2", "ssd", [8.0 * scale, 10.0 * scale]),
+                                          run("auto k<=2", "auto", [8.8 * scale, 11.0 * scale])]}))
+        files.append(str(f))
+    assert main(["bench", "--pool", *files]) in (0, None)
+    out = capsys.readouterr().out
+    assert "| 1 | code | ssd k=2 | 1.100x [1.100, 1.100] n=4 | met |" in out

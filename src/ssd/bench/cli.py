@@ -75,6 +75,9 @@ def add_bench_parser(sub, engine_args: Callable[..., None]) -> argparse.Argument
     g.add_argument("--faithfulness", action="store_true",
                    help="instead of generating: compare the default CPU path's next-token distributions (and "
                         "llama.cpp's with --peers llama.cpp) with the fp32 model on real prompts")
+    g.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                   help="instead of generating: auto against the best fixed configuration, paired ratios pooled "
+                        "over these replicate reports (pairs stay within a report)")
     g.add_argument("--kernel-rows", type=_int_list, default=[1, 2, 5, 8, 16])
     g.add_argument("--kernel-threads", type=_int_list, default=[1, 2])
     p.set_defaults(func=cmd_bench)
@@ -128,7 +131,18 @@ def cmd_faithfulness(args) -> int:
     return 0
 
 
+def cmd_pool(args) -> int:
+    import json
+
+    from ssd.bench.pool import pool_markdown, pooled_auto_vs_best
+
+    print(pool_markdown(pooled_auto_vs_best([json.loads(Path(f).read_text()) for f in args.pool])))
+    return 0
+
+
 def cmd_bench(args) -> int:
+    if args.pool:
+        return cmd_pool(args)
     if args.kernels:
         return cmd_kernel_bench(args)
     if args.faithfulness:

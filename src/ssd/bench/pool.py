@@ -4,13 +4,9 @@ A pair never crosses reports (each report's batches ran one right after the othe
 ratio stays valid when the reports ran at different machine speeds; the best fixed configuration is
 the one with the highest geometric mean over all the cell's batches.
 
-    python -m ssd.bench.pool benchmarks/results/A.json benchmarks/results/B.json
+    ssd bench --pool benchmarks/results/A.json benchmarks/results/B.json
 """
 from __future__ import annotations
-
-import argparse
-import json
-from pathlib import Path
 
 from ssd.bench.summary import geomean, goal_verdict, paired_ratio
 
@@ -47,17 +43,11 @@ def _ci(p: dict | None) -> str:
     return f"{p['ratio']:.3f}x" + ("" if p["lo"] is None else f" [{p['lo']:.3f}, {p['hi']:.3f}]") + f" n={p['n']}"
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ssd.bench.pool", description=__doc__.split("\n\n")[0])
-    ap.add_argument("reports", nargs="+", help="ssd bench JSON reports of the same configurations")
-    args = ap.parse_args(argv)
-    rows = pooled_auto_vs_best([json.loads(Path(f).read_text()) for f in args.reports])
-    print("| batch | dataset | best fixed | auto / best, paired [90% CI] | verdict (goal 0.97x) | auto against each |")
-    print("| ---: | --- | --- | --- | --- | --- |")
+def pool_markdown(rows: list[dict]) -> str:
+    lines = ["| batch | dataset | best fixed | auto / best, paired [90% CI] | verdict (goal 0.97x) | auto against each |",
+             "| ---: | --- | --- | --- | --- | --- |"]
     for r in rows:
         each = "; ".join(f"{lab} {_ci(p)}" for lab, p in r["vs_each"].items())
-        print(f"| {r['batch_size']} | {r['dataset']} | {r['best_fixed']} | {_ci(r['paired'])} | {r['verdict']} | {each} |")
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(f"| {r['batch_size']} | {r['dataset']} | {r['best_fixed']} | {_ci(r['paired'])} | "
+                     f"{r['verdict']} | {each} |")
+    return "\n".join(lines)
