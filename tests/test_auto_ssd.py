@@ -190,6 +190,11 @@ def test_a_first_visit_waits_for_a_prediction_it_may_then_skip():
     assert LOCAL not in run_predicted(p, rates, guesses, 24) and p.deferred > 0
     guesses[LOCAL] = 12.0                                      # the model can predict now: clearly slower
     assert LOCAL not in run_predicted(p, rates, guesses, 200) and p.pruned > 0
+    # where the model of the other regime needs that regime's own rounds (local rounds take the worker's
+    # cores back), waiting for it would never end: visited at once, as without a model
+    q = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
+    q.await_prediction = False
+    assert run_predicted(q, rates, {LOCAL: None}, 8)[4] == LOCAL and q.deferred == 0
 
 
 def test_a_deferred_first_visit_pruned_when_due_backs_off_like_a_probe():
@@ -252,9 +257,11 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
         assert 0 < sum(d["auto_worker_rows_by_num_draft"]) < sum(d["auto_rows_by_num_draft"])   # SSD rows apart
         w = step.worker_chooser.cost.worker       # worker rounds taught their chooser hits and waits
         assert w.h_full.n + w.h_part.n > 4 and w.hit_s.n + w.per_token_s.n > 4
-        # with the worker apart, the policy is offered both regimes' predicted rates once misses are measured
-        made = [p for p in getattr(step.regime, "predictions", []) if p[0] is not None]
-        assert bool(made) == apart and all(a > 0 and b > 0 for a, b in made)
+        # the policy is offered both regimes' predicted rates once both are measured
+        made = [p for p in getattr(step.regime, "predictions", []) if None not in p]
+        assert made and all(a > 0 and b > 0 for a, b in made)
+        # the worker drops its sequences in local stints and is handed them back: the price is learned
+        assert w.retake_s.n > 2
     finally:
         llm.close()
 

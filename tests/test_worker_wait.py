@@ -127,10 +127,103 @@ def test_a_longer_ask_than_the_last_teaches_neither_hit_rates_nor_the_miss_wait(
         ch.cost.unit = 0.1
         seq = NS(spec_state=NS(num_draft=last_k, accepted=last_k))
         proposal = NS(sources=[Source.PARTIAL], tokens=[[7] * k])
-        SpeculativeStep._observe_wait(NS(worker_chooser=ch), [seq], proposal, 0.01, False)
+        SpeculativeStep._observe_wait(NS(worker_chooser=ch), [seq], proposal, 0.01, 0)
         w = ch.cost.worker
         return w.h_full.n, w.per_token_s.n
 
     prior = observe(0, 1)                   # no speculation last round: no lookup, a wait observed
     assert observe(3, 3) == (prior[0] + 1, prior[1])     # the control: a lookup and a wait learned
     assert observe(2, 3) == (prior[0], prior[1] - 1)     # grown: neither
+
+
+def test_handing_sequences_back_to_the_worker_is_priced_per_context_token():
+    """A worker round that first prefills contexts it does not hold teaches the price per context token,
+    net of the round's miss wait; it does not teach the miss wait (the control: the same round without
+    a hand-back does)."""
+    from types import SimpleNamespace as NS
+
+    from ssd.speculation.step import SpeculativeStep
+    from ssd.speculation.worker.messages import Source
+
+    w = WorkerWait(hit_s=0.02, per_token_s=0.3)
+    for _ in range(100):
+        w.observe_retake(400, 2, 0.02 + 2 * 0.3 + 400 * 0.01)
+    assert w.retake_s.value == pytest.approx(0.01, rel=1e-3)
+
+    def observe(retaken):
+        ch = Chooser(4, cost=CostModel(worker=WorkerWait()), floor=1)
+        ch.cost.unit = 0.1
+        seq = NS(spec_state=NS(num_draft=0, accepted=0))
+        SpeculativeStep._observe_wait(NS(worker_chooser=ch), [seq], NS(sources=[Source.NEURAL], tokens=[[7, 7]]),
+                                      0.5, retaken)
+        w = ch.cost.worker
+        return w.retake_s.n, w.per_token_s.n
+
+    assert observe(0) == (1.0, 3.0)          # the control: a miss wait learned, no hand-back price
+    assert observe(300) == (2.0, 2.0)
+
+
+class _Seq:
+    def __init__(self, seq_id: int, tokens: int, detached: bool):
+        from types import SimpleNamespace as NS
+        self.seq_id, self.tokens, self.spec_state = seq_id, tokens, NS(detached=detached)
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def remaining_tokens(self) -> int:
+        return 64
+
+
+def _step(apart: bool):
+    """What SpeculativeStep.predicted_rate reads, with both regimes' fits measured: worker rounds with the
+    target on 1 thread (unit 0.2 s), local rounds on 2 (unit 0.12 s)."""
+    from types import SimpleNamespace as NS
+
+    wc = Chooser(4, cost=CostModel(worker=WorkerWait()), floor=1, plain_probe_every=0)
+    wc.cost.unit = 0.2
+    for _ in range(4):
+        wc.cost.worker.observe_round(False, 2, 0.6)
+    local = Chooser(4, shares_acceptance=wc)
+    local.cost.unit = 0.12
+    return NS(worker_chooser=wc, chooser=local, regime=NS(dwell=16), num_draft=lambda s: 4,
+              proposer=NS(behind=lambda seqs: [0] * len(seqs)), worker_prefills_always=apart)
+
+
+def test_a_worker_visit_is_predicted_with_the_prefill_of_the_contexts_handed_back():
+    """auto_ssd's prediction of a worker stint: the worker rounds' fits, plus the prefill of the contexts
+    the worker does not hold (they arrived or were handed back in local stints), spread over the stint.
+    The control: sequences the worker holds cost nothing to hand back."""
+    from ssd.speculation.chooser import expected_tokens
+    from ssd.speculation.step import SpeculativeStep
+
+    step = _step(apart=False)
+    wait = step.worker_chooser.cost.worker
+    wait.retake_s.value = 0.01                              # units per context token
+    held = [_Seq(i, 300, False) for i in range(4)]
+    back = [_Seq(i, 300, True) for i in range(4)]
+    cost, acc = step.worker_chooser.cost, step.worker_chooser.acceptance([0, 1, 2, 3])
+    plan = best_plan(acc, [4] * 4, cost, floor=1)
+    tokens, per_round = sum(expected_tokens(a, k) for a, k in zip(acc, plan)), cost.time_s(plan, 0.0, acc)
+    assert SpeculativeStep.predicted_rate(step, held, "worker") == pytest.approx(tokens / per_round / 0.2)
+    assert SpeculativeStep.predicted_rate(step, back, "worker") == pytest.approx(
+        tokens / (per_round + 0.01 * 1200 / 16) / 0.2)
+
+
+def test_where_local_rounds_take_the_cores_back_the_local_regime_is_predicted_from_its_own_rounds():
+    """Equal placement (the target has more threads in local rounds): the local regime's prediction comes
+    from the local rounds' fits, and is None until they have measured a round, however well the worker
+    rounds are measured. The control: with the worker apart it comes from the worker rounds' fits."""
+    from ssd.speculation.chooser import rate
+    from ssd.speculation.step import SpeculativeStep
+
+    seqs = [_Seq(0, 100, False)]
+    step = _step(apart=False)
+    local = step.chooser.cost
+    want = rate(best_plan([0.6], [4], local, [0], [16]), [0.6], local, [0], [16]) / 0.12
+    assert SpeculativeStep.predicted_rate(step, seqs, "local") == pytest.approx(want)
+    local.unit = None
+    assert SpeculativeStep.predicted_rate(step, seqs, "local") is None
+    apart = _step(apart=True)
+    apart.chooser.cost.unit = None
+    assert SpeculativeStep.predicted_rate(apart, seqs, "local") is not None

@@ -106,6 +106,11 @@ class CostModel:
         if self.worker is not None and self.unit is not None:
             self.worker.observe_round(all_hit, k, seconds / self.unit)
 
+    def observe_retake(self, tokens: int, k: int, seconds: float) -> None:
+        """A worker round that first prefilled `tokens` tokens of context (see WorkerWait.observe_retake)."""
+        if self.worker is not None and self.unit is not None:
+            self.worker.observe_retake(tokens, k, seconds / self.unit)
+
 
 def local_cost(worker_rounds: CostModel, draft_step: float, catch_up: float = 0.0) -> CostModel:
     """The in-process draft's rounds as the worker rounds' fits see them (same units): the same target

@@ -13,12 +13,13 @@ probe interval, up to `max_probe_every`; one that wins resets it: a stable winne
 fewer probes, each of which costs a stint in the slower regime and two switches.
 
 Where the caller can predict the other regime's rate from a model (`pick(..., predict=...)`: auto_ssd
-with the worker on cores of its own, so both regimes run the target on the same threads), a probe or
-first visit is skipped when that prediction is `prune` short of the current regime's measured rate;
-a skipped probe backs off like a lost one (`pruned` counts the stint ends at which a visit was
-skipped). A first visit waits for such a prediction while there is none yet, for at most `probe_every`
-rounds (`deferred` counts the stint ends it waited at): without that, the first visit ran before the
-model had measured enough to skip it. Where the worker regime lost at the nearest smaller batch-size
+from the fits of the rounds it ran, see SpeculativeStep.predicted_rate), a probe or first visit is
+skipped when that prediction is `prune` short of the current regime's measured rate; a skipped probe
+backs off like a lost one (`pruned` counts the stint ends at which a visit was skipped). With
+`await_prediction` (the worker on cores of its own: one model predicts both regimes) a first visit
+waits for such a prediction while there is none yet, for at most `probe_every` rounds (`deferred`
+counts the stint ends it waited at): without that, the first visit ran before the model had measured
+enough to skip it. Where the worker regime lost at the nearest smaller batch-size
 bucket, its first visit at a larger one waits a probe interval too (SSD's edge shrinks as the batch
 grows; `deferred` counts these waits as well): the first visits of each new bucket were most of
 what auto lost in a short run at batch 4. Exactness does not depend on any of
@@ -58,6 +59,7 @@ class RegimePolicy:
                                          # slower) was skipped
         self.deferred = 0                # stint ends at which a first visit waited (for a prediction, or
                                          # because the worker lost at a smaller batch)
+        self.await_prediction = True     # a first visit waits for the caller's model (see _await_prediction)
 
     def disable(self) -> None:
         """The worker failed: every later round is local."""
@@ -111,7 +113,8 @@ class RegimePolicy:
     def _await_prediction(self, predict, other: str) -> bool:
         """A first visit waits (up to `probe_every` rounds) for the model to predict the other regime, so a
         visit that the prediction would have skipped is not run before enough was measured to skip it."""
-        return predict is not None and self.rounds <= self.probe_every and predict(other) is None
+        return self.await_prediction and predict is not None and self.rounds <= self.probe_every and \
+            predict(other) is None
 
     def _predicted_slower(self, predict, other: str, mine: float | None) -> bool:
         if predict is None or mine is None:

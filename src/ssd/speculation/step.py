@@ -22,7 +22,8 @@ from ssd.engine.ar import ARStep
 from ssd.engine.model_runner import ModelRunner
 from ssd.engine.sequence import Sequence
 from ssd.engine.step import prefill_and_sample
-from ssd.speculation.chooser import CATCH_UP_PRIOR, Chooser, CostModel, best_plan, local_cost, rate
+from ssd.speculation.chooser import (CATCH_UP_PRIOR, Chooser, CostModel, best_plan, expected_tokens, local_cost,
+                                     rate)
 from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
 from ssd.speculation.regime import WORKER, RegimePolicy
 from ssd.speculation.stats import SpecCounters
@@ -122,7 +123,10 @@ class SpeculativeStep:
         if self.regime is None:
             return self.proposer
         before, pruned, deferred = self.regime.switches, self.regime.pruned, self.regime.deferred
-        predict = (lambda regime: self.predicted_rate(seqs, regime)) if self.worker_prefills_always else None
+        predict = (lambda regime: self.predicted_rate(seqs, regime)) if self.worker_chooser is not None else None
+        # a first visit waits for a prediction only where the worker rounds' fits predict both regimes;
+        # where local rounds take the worker's cores back, the local regime needs rounds of its own
+        self.regime.await_prediction = self.worker_prefills_always
         use_worker = self.regime.pick(len(seqs), predict) == WORKER
         self.counters.regime_switches += self.regime.switches - before
         self.counters.regime_probes_pruned += self.regime.pruned - pruned
@@ -142,26 +146,45 @@ class SpeculativeStep:
         return self.proposer
 
     def predicted_rate(self, seqs: list[Sequence], regime: str) -> float | None:
-        """auto_ssd with the worker on cores of its own (the target has the same threads in both regimes):
-        tokens/s of the best plan for `seqs` in that regime, from the worker rounds' fits (the target's
-        cost; the worker's draft step, which the in-process draft also takes on one core). None until
-        worker rounds have measured a miss."""
-        cost = self.worker_chooser.cost
-        wait = cost.worker
-        if cost.unit is None or wait.per_token_s.n < 5:
-            return None
+        """auto_ssd: tokens/s of the best plan for `seqs` in a visit of that regime, or None while the
+        rounds it is fitted from have not measured enough. A visit is a stint of `dwell` rounds; its
+        switching cost is spread over that stint only (as in a probe): the in-process draft's catch-up on
+        what it missed, or the worker's prefill of the contexts it does not hold (sequences that arrived
+        or were handed back in local stints where the target had its cores).
+
+        The worker regime is predicted from the worker rounds' fits (the target's line at the threads it
+        has in SSD rounds, the cache hits and the miss wait). The local regime, where the worker is on
+        cores of its own (the target has the same threads in both regimes), from the same fits with the
+        worker's draft step, which the in-process draft also takes on one core; where local rounds take
+        the worker's cores back, from the local rounds' own fits (the target on more threads)."""
         acc = self.worker_chooser.acceptance([s.seq_id for s in seqs])
         caps = [self.num_draft(s) for s in seqs]
-        behind = remaining = None
-        if regime != WORKER:
-            # a visit of the local regime is a stint of `dwell` rounds whose draft first catches up on what
-            # it missed (a lazy draft: the whole prompt); as in a probe, that is spread over the stint only
-            local = self.chooser.cost
+        dwell = self.regime.dwell
+        remaining = [min(s.remaining_tokens(), dwell) for s in seqs]
+        cost = self.worker_chooser.cost
+        wait = cost.worker
+        measured = cost.unit is not None and wait.per_token_s.n >= 5
+        if regime == WORKER:
+            if not measured:
+                return None
+            plan = best_plan(acc, caps, cost, floor=1)
+            tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
+            retake = wait.retake_s.value * sum(len(s) for s in seqs if s.spec_state.detached)
+            return tokens / (cost.time_s(plan, 0.0, acc) + retake / dwell) / cost.unit
+        behind = self.proposer.behind(seqs)
+        local = self.chooser.cost
+        if self.worker_prefills_always:
+            if not measured:
+                return None
+            # a lazy draft that sat out the worker's rounds first catches up (its whole prompt, if it was
+            # never prefilled)
             per_token = local.draft.w[2].item() * local.unit / cost.unit if local.unit else CATCH_UP_PRIOR
             cost = local_cost(cost, wait.per_token_s.value, max(per_token, 0.0))
-            behind = self.proposer.behind(seqs)
-            remaining = [min(s.remaining_tokens(), self.regime.dwell) for s in seqs]
-        plan = best_plan(acc, caps, cost, behind, remaining, floor=1 if regime == WORKER else 0)
+        elif local.unit is None:
+            return None
+        else:
+            cost = local
+        plan = best_plan(acc, caps, cost, behind, remaining)
         return rate(plan, acc, cost, behind, remaining) / cost.unit
 
     def _worker_lost(self, error: ProposerFailed) -> None:
@@ -190,7 +213,8 @@ class SpeculativeStep:
             self.counters.probes_skipped += chooser.probes_skipped - probes[1]
             if local and not any(num_draft):
                 return self._plain_round(seqs)
-        retaken = not local and any(s.spec_state.detached for s in seqs)   # the worker prefills them first
+        # the worker first prefills the contexts it does not hold
+        retaken = sum(len(s) for s in seqs if s.spec_state.detached) if not local else 0
         t0 = time.perf_counter()
         proposal = None
         try:
@@ -234,9 +258,10 @@ class SpeculativeStep:
                 self.proposer.observe(seqs, lens, [0] * len(seqs), empty)   # the local draft sat out
             self.regime.observe(len(seqs), committed, t2 - t0)
 
-    def _observe_wait(self, seqs: list[Sequence], proposal: Proposal, wait_s: float, retaken: bool) -> None:
+    def _observe_wait(self, seqs: list[Sequence], proposal: Proposal, wait_s: float, retaken: int) -> None:
         """auto_ssd: teach the worker rounds' cost model the cache hits and the wait of this round (before
-        the proposer's observe: spec_state still describes the previous round)."""
+        the proposer's observe: spec_state still describes the previous round); `retaken`: tokens of
+        context the worker prefilled first (their wait teaches the price of handing sequences back)."""
         cost = self.worker_chooser.cost
         grown = False       # an ask longer than the last one: its chains were pre-drafted too short
         for s, src, d in zip(seqs, proposal.sources, proposal.tokens):
@@ -245,7 +270,9 @@ class SpeculativeStep:
             if st.num_draft and len(d) <= st.num_draft and d and (src == Source.CACHE or src in _MISS):
                 cost.worker.observe_lookup(st.accepted == st.num_draft, src == Source.CACHE)
         k = max((len(d) for d in proposal.tokens), default=0)
-        if not retaken and not grown:
+        if retaken:
+            cost.observe_retake(retaken, k, wait_s)
+        elif not grown:
             hit = all(src == Source.CACHE for src, d in zip(proposal.sources, proposal.tokens) if d)
             cost.observe_wait(hit, k, wait_s)
 

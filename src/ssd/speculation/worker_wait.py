@@ -14,7 +14,11 @@ lookup (`hit_s`); a miss makes the worker draft the K = max K_b tokens while the
 waits longer on a miss: that is why SSD at K = 4 ran 7-17% slower than at K = 2 on a 2-core host,
 which a chooser that priced worker drafting at zero could not see.
 
-All four quantities are measured from the rounds auto runs anyway (running means that turn into
+A round in which the worker first takes back sequences it does not hold (auto_ssd after a local stint
+in which the target had the worker's cores) also waits for the worker to prefill their contexts:
+`retake_s` per context token, measured from such rounds (the round's expected miss wait taken off).
+
+All these quantities are measured from the rounds auto runs anyway (running means that turn into
 exponential averages), starting from priors in units of the first target forward.
 """
 from __future__ import annotations
@@ -46,9 +50,11 @@ class Mean:
 class WorkerWait:
     """Expected wait for the worker in a round with these draft lengths, in the cost model's units."""
 
-    def __init__(self, h_full: float = 0.9, h_part: float = 0.1, hit_s: float = 0.02, per_token_s: float = 0.3):
+    def __init__(self, h_full: float = 0.9, h_part: float = 0.1, hit_s: float = 0.02, per_token_s: float = 0.3,
+                 retake_s: float = 0.02):
         self.h_full, self.h_part = Mean(h_full), Mean(h_part)
         self.hit_s, self.per_token_s = Mean(hit_s), Mean(per_token_s)
+        self.retake_s = Mean(retake_s, weight=1.0)
 
     def expected(self, acceptance: list[float], num_draft: list[int]) -> float:
         k = max(num_draft, default=0)
@@ -70,3 +76,10 @@ class WorkerWait:
             self.hit_s.add(wait)
         else:
             self.per_token_s.add(max(wait - self.hit_s.value, 0.0) / k)
+
+    def observe_retake(self, tokens: int, k: int, wait: float) -> None:
+        """The target waited `wait` (units) for a round in which the worker first prefilled `tokens` tokens
+        of context it did not hold, and drafted up to k tokens (counted as a miss)."""
+        if tokens > 0:
+            miss = self.hit_s.value + k * max(self.per_token_s.value, 0.0)
+            self.retake_s.add(max(wait - miss, 0.0) / tokens)
