@@ -42,6 +42,58 @@ def test_auto_ssd_thread_split_and_what_it_says(monkeypatch, caplog, cores, thre
         assert any("take no core back" in r.getMessage() and r.levelname == "INFO" for r in caplog.records)
 
 
+# ---------------------------------------------------------------- when auto runs draft workers
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), False),                                        # nothing asks for a worker: in-process drafts
+    (dict(draft_host="10.0.0.2:29500"), True),              # a remote worker is waited for, not ignored
+    (dict(draft_cores=[1]), True),
+    (dict(draft_threads=2), True),
+    (dict(num_draft_workers=2), True),
+    (dict(num_draft_workers=1), False),
+    (dict(auto_ssd=True), True),
+    (dict(auto_ssd=False), False),
+])
+def test_worker_settings_turn_auto_ssd_on_in_mode_auto(kw, want):
+    from ssd.config import EngineConfig
+
+    assert EngineConfig(model="t", draft="d", **kw).auto_ssd is want       # mode None with a draft: auto
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="auto", auto_ssd=False, draft_host="10.0.0.2:29500"), "auto_ssd=False keeps mode 'auto'"),
+    (dict(mode="sd", draft_host="10.0.0.2:29500"), "draft_host applies to mode 'ssd' and to 'auto'"),
+    (dict(mode="sd", draft_cores=[1], draft_threads=1), "draft_cores, draft_threads applies"),
+    (dict(mode="ar", draft_threads=2), "mode 'ar' runs no draft worker"),
+])
+def test_worker_settings_a_mode_would_ignore_are_an_error(kw, match):
+    from ssd.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="t", draft="d", **kw)
+
+
+def test_the_cli_turns_auto_ssd_on_off_or_leaves_it_to_the_settings():
+    from ssd.cli import build_parser
+
+    parse = lambda *a: build_parser().parse_args(["generate", "--prompt", "x", *a]).auto_ssd  # noqa: E731
+    assert (parse(), parse("--auto-ssd"), parse("--no-auto-ssd")) == (None, True, False)
+
+
+def test_auto_with_a_draft_worker_setting_runs_the_worker(tiny_pair, ar_ref):
+    """`draft_cores` (or `--draft-host`, ...) in the default mode starts the worker; before, auto
+    ignored them and drafted in-process only."""
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
+              worker_timeout_s=20, draft_cores=[max(os.sched_getaffinity(0))])
+    try:
+        assert llm.config.mode == "auto" and llm.config.auto_ssd and llm.engine.step_impl.worker is not None
+        assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == ar_ref[2]
+    finally:
+        llm.close()
+
+
 # ---------------------------------------------------------------- the policy
 
 

@@ -62,9 +62,10 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    help="ssd: seconds a draft worker may take to answer a message before it counts as failed")
     g.add_argument("--worker-start-timeout", type=float, default=300.0,
                    help="ssd: seconds a draft worker may take to start (join, load the draft) before start-up fails")
-    g.add_argument("--auto-ssd", action="store_true",
-                   help="auto: also start a draft worker and let auto run SSD stints where they measure faster "
-                   "(the target takes the worker's cores back in the other rounds)")
+    g.add_argument("--auto-ssd", action=argparse.BooleanOptionalAction, default=None,
+                   help="auto: also start draft workers and let auto run SSD stints where they measure faster "
+                   "(the target takes the workers' cores back in the other rounds). Default: on when a draft "
+                   "worker setting is given (--draft-host, --draft-cores, --draft-threads, --draft-workers)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the target over N CPU ranks (this process is rank 0; the others are started on "
                    "this host's cores, or wait for `ssd tp-rank` with --tp-host). Default %(default)s")

@@ -1,9 +1,12 @@
 """EngineConfig: which models, which mode, where they run."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 MODES = ("ar", "sd", "ssd", "auto")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,8 +47,9 @@ class EngineConfig:
     worker_timeout_s: float = 60.0       # bound on every engine/worker message once the worker is up
     worker_start_timeout_s: float = 300.0  # bound on a worker's start-up: process start or joining, loading the
                                          # draft (minutes on a busy machine or for a big draft)
-    auto_ssd: bool = False               # mode auto: also run a draft worker and let auto choose SSD stints
-                                         # (the target takes the worker's cores back in the other rounds)
+    auto_ssd: bool | None = None         # mode auto: also run draft workers and let auto choose SSD stints
+                                         # (the target takes the workers' cores back in the other rounds).
+                                         # None: on where the settings ask for workers (worker_settings)
     # tensor-parallel target (CPU ranks over gloo; ssd/distributed, docs/ARCHITECTURE.md)
     tensor_parallel_size: int = 1        # ranks the target is sharded over; rank 0 is this process
     tp_host: str | None = None           # "HOST:PORT": wait for `ssd tp-rank --connect` there instead of spawning
@@ -65,6 +69,7 @@ class EngineConfig:
             if not self.draft:
                 raise ValueError(f"mode {self.mode!r} needs a draft model and {self.model!r} has no built-in "
                                  "draft partner: pass draft=... (CLI: --draft), e.g. qwen2.5-coder-0.5b")
+        self._resolve_auto_ssd()
         if self.k < 1 or self.k > 16:
             raise ValueError(f"k must be in [1, 16], got {self.k}")
         if self.block_size < 1 or self.max_model_len < 2 or self.kv_cache_gb <= 0:
@@ -108,6 +113,23 @@ class EngineConfig:
         if self.prefill_threads is not None and self.prefill_threads < 1:
             raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")
 
+    def _resolve_auto_ssd(self) -> None:
+        """Settings that only draft workers use turn auto_ssd on in mode auto (they were ignored before:
+        `--draft-host` with the default mode ran every round in-process); modes without workers, or
+        auto_ssd=False next to them, are an error instead of a silent no-op."""
+        asked = worker_settings(self)
+        if asked and self.mode in ("ar", "sd"):
+            raise ValueError(f"{', '.join(asked)} applies to mode 'ssd' and to 'auto' (draft workers); mode "
+                             f"{self.mode!r} runs no draft worker: use mode 'ssd' or 'auto', or drop {asked[0]}")
+        if self.auto_ssd is None:
+            self.auto_ssd = self.mode == "auto" and bool(asked)
+            if self.auto_ssd:
+                log.info("mode auto: %s set, so auto runs draft workers and may choose SSD stints (auto_ssd; "
+                         "auto_ssd=False with none of them keeps every draft in-process)", ", ".join(asked))
+        elif not self.auto_ssd and asked and self.mode == "auto":
+            raise ValueError(f"auto_ssd=False keeps mode 'auto' from running draft workers, but {', '.join(asked)} "
+                             "configures them: drop one or the other")
+
     def _check_draft_workers(self) -> None:
         from ssd.speculation.worker.placement import per_worker_cores, split_hosts
 
@@ -126,6 +148,14 @@ class EngineConfig:
                              "per worker (or leave num_draft_workers unset)")
         if workers and hosts is None:
             per_worker_cores(self.draft_cores, n)      # raises on a malformed placement
+
+
+def worker_settings(cfg: EngineConfig) -> list[str]:
+    """The settings given that only SSD draft workers use (mode auto: they ask for auto_ssd)."""
+    asked = [name for name in ("draft_host", "draft_cores", "draft_threads") if getattr(cfg, name) is not None]
+    if cfg.num_draft_workers is not None and cfg.num_draft_workers != 1:
+        asked.append("num_draft_workers")
+    return asked
 
 
 def check_device(name: str, device: str | None) -> None:

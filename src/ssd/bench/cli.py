@@ -107,7 +107,7 @@ def config_from_args(args):
     return BenchConfig(
         model=args.model, draft=args.draft, modes=pick("modes"), k=args.k, datasets=pick("datasets"),
         num_prompts=pick("num_prompts"), max_tokens=pick("max_tokens"), temperature=args.temperature,
-        batch_size=args.batch_size, interleave=not args.no_interleave, auto_ssd=args.auto_ssd, threads=args.threads, prefill_threads=args.prefill_threads,
+        batch_size=args.batch_size, interleave=not args.no_interleave, auto_ssd=bool(args.auto_ssd), threads=args.threads, prefill_threads=args.prefill_threads,
         spec_max_batch=args.spec_max_batch, dtype=args.dtype, device=args.device, draft_device=args.draft_device,
         draft_dtype=args.draft_dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, seed=args.seed, placement=args.placement, peers=pick("peers"),
         peer_assistant_tokens=args.peer_assistant_tokens,
