@@ -114,6 +114,34 @@ def test_hung_worker_times_out_and_every_request_finishes_exactly(tiny_pair, ar_
             pass
 
 
+def test_the_engine_prefills_without_waiting_for_the_worker_to_take_the_prompts(tiny_pair, ar_ref):
+    """Prompts are posted to the worker, which prefills each before it takes the next message; the
+    engine prefills its own copies meanwhile. Here the worker is stopped during the prefill step:
+    the step still produces every first token, and once the worker runs again it takes the prompts
+    and speculation goes on, identical to AR. Before, each hand-over waited until the worker took
+    it (a busy worker held the target's prefill back by its own: TTFT 20% above AR's at batch 4 on
+    1+1 cores); a stopped one made the prefill time out and the engine fall back to AR."""
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=5)
+    eng, pid = llm.engine, llm._client.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            seqs = [eng.add_request(f"r{i}", llm.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+            eng.step()
+            assert [len(s.output_token_ids) for s in seqs] == [1] * len(PROMPTS)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        while eng.has_unfinished():
+            eng.step()
+        assert [s.output_token_ids for s in seqs] == ar_ref
+        m = eng.spec_metrics()
+        assert eng.degraded_from is None and m.hits + m.misses > 0
+    finally:
+        llm.close()
+
+
 def test_worker_start_failure_is_a_clear_error(tiny_pair, tmp_path):
     import shutil
 

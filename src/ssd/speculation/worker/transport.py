@@ -92,6 +92,18 @@ class Posted:
     def __init__(self, works, tensors):
         self.works, self.tensors = works, tensors
 
+    @staticmethod
+    def joined(posted: list["Posted"]) -> "Posted":
+        """One handle for several posts (waited for in the order they were posted)."""
+        return Posted([w for p in posted for w in p.works], [t for p in posted for t in p.tensors])
+
+    def done(self) -> bool:
+        """Whether the peer has received everything (without waiting)."""
+        if all(w.is_completed() for w in self.works):
+            self.wait()             # raises if a send failed; releases the tensors
+            return True
+        return False
+
     def wait(self) -> None:
         for w in self.works:
             w.wait()
