@@ -288,6 +288,7 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
 
     step, dbm = llm.engine.step_impl, llm.engine.draft.block_manager
     step.worker_prefills_always = apart     # the worker also prefills prompts that arrive in local stints
+    step.prefill_on_worker_cores = not apart    # ... or gets them at its first round (the prefill shares its core)
     real, leaks = SpeculativeStep.decode, []
 
     def decode(self, seqs):          # after every round the local draft holds exactly what it has fed
@@ -333,6 +334,7 @@ def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monke
               kv_cache_gb=0.05, worker_timeout_s=20)
     step = llm.engine.step_impl
     step.regime.current, step.worker_prefills_always = LOCAL, apart
+    step.prefill_on_worker_cores = not apart
     calls = []
     real = step.worker.prefill
     monkeypatch.setattr(step.worker, "prefill", lambda seqs: (calls.append(len(seqs)), real(seqs)))

@@ -123,8 +123,9 @@ def test_the_engine_prefills_without_waiting_for_the_worker_to_take_the_prompts(
     1+1 cores); a stopped one made the prefill time out and the engine fall back to AR."""
     target, draft = tiny_pair
     llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False,
-              kv_cache_gb=0.05, worker_timeout_s=5)
+              kv_cache_gb=0.05, worker_timeout_s=5, threads=1, prefill_threads=1)
     eng, pid = llm.engine, llm._client.pid
+    eng.step_impl.prefill_on_worker_cores = False       # (as on a host with a core for each)
     try:
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -138,6 +139,52 @@ def test_the_engine_prefills_without_waiting_for_the_worker_to_take_the_prompts(
         assert [s.output_token_ids for s in seqs] == ar_ref
         m = eng.spec_metrics()
         assert eng.degraded_from is None and m.hits + m.misses > 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("cores, threads, prefill, workers, want", [
+    ({0, 1}, 1, 2, 1, True),        # the equal placement: the prefill runs on the worker's core too
+    ({0, 1}, 1, 1, 1, False),       # 1 + 1 cores
+    ({0, 1, 2, 3}, 2, 3, 1, False),
+    ({0, 1, 2, 3}, 2, 3, 2, True),
+])
+def test_which_prefills_share_the_workers_cores(monkeypatch, cores, threads, prefill, workers, want):
+    from ssd.config import EngineConfig
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    cfg = EngineConfig(model="t", draft="d", mode="ssd", threads=threads, num_draft_workers=workers)
+    assert LLM._prefill_on_worker_cores(cfg, prefill) is want
+    remote = EngineConfig(model="t", draft="d", mode="ssd", threads=threads, draft_host="10.0.0.2:1")
+    assert LLM._prefill_on_worker_cores(remote, prefill) is False
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_prefill_on_the_workers_cores_hands_prompts_over_at_the_first_round(monkeypatch, tiny_pair, ar_ref,
+                                                                               shared):
+    """Where the target prefills on the worker's cores too, the worker gets each prompt at its first
+    round (after the prefill), not during it; with cores of its own during it (the control). Tokens
+    equal AR's either way."""
+    from ssd.speculation.worker.client import DraftClient
+
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="ssd", k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=20, threads=1, prefill_threads=2 if shared else 1)
+    adds = []
+    real = DraftClient.add
+    monkeypatch.setattr(DraftClient, "add", lambda self, msg: (adds.append(len(msg.tokens)), real(self, msg)))
+    eng = llm.engine
+    assert eng.step_impl.prefill_on_worker_cores is (shared or len(os.sched_getaffinity(0)) < 2)
+    eng.step_impl.prefill_on_worker_cores = shared      # (whatever this host's core count)
+    try:
+        seqs = [eng.add_request(f"r{i}", llm.encode(p), GREEDY) for i, p in enumerate(PROMPTS)]
+        eng.step()                                       # the prefill
+        assert len(adds) == (0 if shared else len(PROMPTS))
+        while eng.has_unfinished():
+            eng.step()
+        assert len(adds) == len(PROMPTS)                 # each prompt handed over once
+        assert [s.output_token_ids for s in seqs] == ar_ref
+        assert eng.degraded_from is None
     finally:
         llm.close()
 

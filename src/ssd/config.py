@@ -19,7 +19,7 @@ class EngineConfig:
     draft_device: str | None = None      # default: same as device
     threads: int | None = None           # CPU threads for torch (None: leave torch's default)
     prefill_threads: int | None = None   # CPU threads for prefill steps (default: threads). With SSD on a
-                                         # CPU the draft worker's core is mostly idle while the target
+                                         # CPU the draft worker's core is idle while the target
                                          # prefills: equal-hardware setups give prefill all cores.
     dtype: str = "auto"                  # auto | gguf | q8_0 | q4_1 | float32 | bfloat16 | float16 | int8 (CPU)
     draft_dtype: str | None = None       # default: same as dtype. The draft's numerics never change what

@@ -87,13 +87,16 @@ class LLM:
         self.engine.prefill_threads = cfg.prefill_threads or (thread_split[1] if thread_split else None)
         if cfg.mode == "auto" and cfg.auto_ssd:
             self.engine.step_impl.worker_prefills_always = worker_apart
+        if draft_client is not None:
+            self.engine.step_impl.prefill_on_worker_cores = self._prefill_on_worker_cores(
+                cfg, self.engine.prefill_threads or cfg.threads or torch.get_num_threads())
         self._clients = _as_clients(draft_client)
 
     @staticmethod
     def _ssd_cpu_split(cfg: EngineConfig) -> None:
         """SSD on CPU with no thread count given: the target decodes on the cores the local draft
         workers do not use (sharing a worker's core slows both), and prefills on all of them
-        (the workers are mostly idle then). Placement: speculation/worker/placement.py."""
+        (the workers get new prompts after it: see _prefill_on_worker_cores). Placement: speculation/worker/placement.py."""
         import os
 
         from ssd.speculation.worker.placement import local_cores
@@ -110,6 +113,22 @@ class LLM:
             cfg.prefill_threads = cfg.prefill_threads or len(usable)
             log.info("ssd: target decodes on %d thread(s), prefills on %d; %d draft worker(s) on %d core(s)",
                      cfg.threads, cfg.prefill_threads, len(placement), worker)
+
+    @staticmethod
+    def _prefill_on_worker_cores(cfg: EngineConfig, prefill_threads: int) -> bool:
+        """Whether the target's prefill threads share cores with local draft workers (more of both than
+        usable cores: SSD's CPU default and the equal placement prefill on every core). Then workers
+        get new prompts at their first round instead of prefilling them during the target's prefill."""
+        import os
+
+        from ssd.speculation.worker.placement import local_cores
+
+        if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu" or \
+                cfg.tensor_parallel_size > 1:
+            return False
+        usable = sorted(os.sched_getaffinity(0))
+        workers = sum(len(c) if c else 1 for c in local_cores(usable, cfg.num_draft_workers, cfg.draft_cores))
+        return prefill_threads + workers > len(usable)
 
     @staticmethod
     def _auto_ssd_threads(cfg: EngineConfig) -> tuple[tuple[int, int] | None, bool]:

@@ -242,7 +242,7 @@ def mode_threads(cfg: BenchConfig, mode: str) -> int | None:
 def _build_llm(cfg: BenchConfig, mode: str, k: int):
     from ssd import LLM
 
-    # equal placement: SSD's target prefills on all the cores (its worker's core idles meanwhile)
+    # equal placement: SSD's target prefills on all the cores (its worker gets the prompt after that)
     prefill = cfg.prefill_threads or (cfg.threads if mode_threads(cfg, mode) != cfg.threads else None)
     return LLM(cfg.model, draft=cfg.draft if mode != "ar" else None, mode=mode, k=k, device=cfg.device,
                draft_device=cfg.draft_device, threads=mode_threads(cfg, mode), prefill_threads=prefill,

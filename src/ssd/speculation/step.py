@@ -56,6 +56,9 @@ class SpeculativeStep:
         self.thread_split: tuple[int, int] | None = None      # (target threads: worker rounds, local rounds)
         self.worker_chooser: Chooser | None = None
         self.worker_prefills_always = False     # the worker's cores are idle in local rounds (not taken back)
+        # the target's prefill runs on the local workers' cores too (SSD's CPU default, the equal
+        # placement): workers are handed new prompts at their first round, not during the prefill
+        self.prefill_on_worker_cores = False
         self.batch_rows = lambda: 0     # the engine's count of unfinished requests (a new prefill joins them)
 
     def add_worker(self, worker: Proposer, regime: RegimePolicy, thread_split: tuple[int, int] | None) -> None:
@@ -88,10 +91,18 @@ class SpeculativeStep:
         worker_now = live and self.regime.current == WORKER
         # the worker prefills the prompts on its own cores while the target does; in a local stint too
         # when its cores are not the target's then (it would otherwise prefill the whole context on its
-        # first SSD round after, with the target waiting; later hand-overs find the prompt prefix-cached)
-        attach = worker_now or live and self.worker_prefills_always
+        # first SSD round after, with the target waiting; later hand-overs find the prompt prefix-cached).
+        # Not while the target's prefill uses the worker's cores: a prefill split over threads waits for
+        # the one sharing a core with the worker (TTFT 1.7x AR's at batch 1 on 2 cores); the worker is
+        # handed the prompt at its first round instead (as after a local stint, and priced as such)
+        later = self.prefill_on_worker_cores
+        attach = (worker_now or live and self.worker_prefills_always) and not later
+        handed_later = later and self.proposer.name == "worker"
         try:
-            if getattr(self.proposer, "lazy", False):
+            if handed_later:
+                for s in seqs:
+                    s.spec_state.detached = True
+            elif getattr(self.proposer, "lazy", False):
                 # auto: prefill the in-process draft now (as SD does) when its rounds are the current
                 # regime and would draft for a batch this size; a lazy draft would feed the whole
                 # prompt in its first rounds, and a short probe of the local regime never repays that
@@ -114,7 +125,8 @@ class SpeculativeStep:
                 s.spec_state.detached = True
         with self.tracer.span("target", "prefill"):
             prefill_and_sample(self.target, seqs)
-        self.proposer.after_prefill(seqs)
+        if not handed_later:
+            self.proposer.after_prefill(seqs)
         if attach:
             self.worker.after_prefill(seqs)
 
