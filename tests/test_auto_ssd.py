@@ -295,6 +295,14 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
         real(self, seqs)
         leaks.extend(s.seq_id for s in seqs if dbm.num_tokens(s.seq_id) != s.spec_state.draft_cached)
     monkeypatch.setattr(SpeculativeStep, "decode", decode)
+    real_pick, unsettled = SpeculativeStep._pick_proposer, []
+
+    def pick(self, seqs):            # a local round on the worker's cores starts once the worker took its frees
+        p = real_pick(self, seqs)
+        if p is self.proposer and self.thread_split is not None:
+            unsettled.extend(len(c._posted) for c in llm._clients if c._posted)
+        return p
+    monkeypatch.setattr(SpeculativeStep, "_pick_proposer", pick)
     assert step.worker is not None
     try:
         outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -302,6 +310,7 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
         assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(ar_ref, (20, 7, 20, 12, 20))]
         assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == ar_ref[2]
         assert not leaks                  # SSD rounds give back the local draft's reserved slots
+        assert not unsettled
         m = llm.engine.spec_metrics()
         assert m.worker_rounds > 5 and m.rounds - m.worker_rounds > 5 and m.regime_switches > 5
         assert m.hits + m.misses > 0 and m.worker_lost == 0

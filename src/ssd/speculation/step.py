@@ -153,6 +153,8 @@ class SpeculativeStep:
             return self.proposer
         try:
             self.worker.skip(seqs)          # it drops them (prefix-cached) and is handed them back later
+            if self.thread_split is not None:
+                self.worker.settle()        # its cores are the target's now: it has stopped drafting first
         except ProposerFailed as e:
             self._worker_lost(e)
         return self.proposer

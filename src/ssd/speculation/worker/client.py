@@ -114,6 +114,12 @@ class DraftClient:
         if seq_ids:
             self._post(m.Free(list(seq_ids)))
 
+    def settle(self) -> None:
+        """Wait until the worker has received everything posted (it takes messages between draft steps)."""
+        posted, self._posted = self._posted, []
+        for p in posted:
+            p.wait()
+
     def _post(self, msg) -> None:
         self._posted = [p for p in self._posted if not p.done()]     # keep only sends still in flight
         self._posted.append(self.chan.post(msg))

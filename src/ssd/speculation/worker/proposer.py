@@ -185,6 +185,16 @@ class WorkerProposer:
             s.spec_state.detached = True
         self._free(gone)
 
+    def settle(self) -> None:
+        """Wait until every live worker has received what was posted to it (so it has stopped drafting
+        for sequences it was told to drop)."""
+        for w, client in enumerate(self.clients):
+            if self.assign.live[w]:
+                try:
+                    client.settle()
+                except Exception as e:      # noqa: BLE001
+                    self._fail(w, e)
+
     def release(self, seq: Sequence) -> None:
         if not seq.spec_state.detached:
             self._free([seq])
