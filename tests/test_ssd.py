@@ -203,11 +203,12 @@ def test_worker_start_failure_is_a_clear_error(tiny_pair, tmp_path):
             worker_timeout_s=30)
 
 
-@pytest.mark.parametrize("k,override", [(3, False), (2, True)])
-def test_remote_worker_started_by_hand(tiny_pair, ar_ref, k, override):
+@pytest.mark.parametrize("k,override,mode", [(3, False, "ssd"), (2, True, "ssd"), (3, False, None)])
+def test_remote_worker_started_by_hand(tiny_pair, ar_ref, k, override, mode):
     """`ssd draft-worker --connect HOST:PORT` on 'another host' (a separate process here) and the engine's
     draft_host: same tokens as AR. The worker takes K, the model and the rest from the engine (the same
-    command serves k=3 and k=2); --model loads the draft from another path on the worker's host."""
+    command serves k=3 and k=2); --model loads the draft from another path on the worker's host. In
+    the default mode (auto) draft_host turns auto_ssd on: auto's SSD rounds use the remote worker."""
     import shutil
     import subprocess
     import sys
@@ -225,12 +226,15 @@ def test_remote_worker_started_by_hand(tiny_pair, ar_ref, k, override):
         cmd += ["--model", str(draft)]
     proc = subprocess.Popen(cmd, env=_child_env(), stderr=subprocess.DEVNULL)
     try:
-        kw = dict(draft=engine_draft, mode="ssd", k=k, dtype="float32", progress=False, kv_cache_gb=0.05,
+        kw = dict(draft=engine_draft, mode=mode, k=k, dtype="float32", progress=False, kv_cache_gb=0.05,
                   worker_timeout_s=30, draft_host=f"127.0.0.1:{port}")
         llm = LLM(str(target), **kw)
         try:
             assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ar_ref
             assert llm.engine.spec_metrics().rounds > 0 and llm.engine.degraded_from is None
+            if mode is None:
+                assert llm.config.mode == "auto" and llm.config.auto_ssd
+                assert llm.engine.spec_metrics().worker_rounds > 0
         finally:
             llm.close()
         assert proc.wait(30) == 0                          # the engine's shutdown ends the worker
