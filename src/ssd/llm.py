@@ -99,7 +99,7 @@ class LLM:
         (the workers get new prompts after it: see _prefill_on_worker_cores). Placement: speculation/worker/placement.py."""
         import os
 
-        from ssd.speculation.worker.placement import local_cores
+        from ssd.speculation.worker.placement import cores_taken, local_cores
 
         if cfg.mode != "ssd" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
             return
@@ -107,7 +107,7 @@ class LLM:
         placement = local_cores(usable, cfg.num_draft_workers, cfg.draft_cores)    # a clear error, before loading
         if cfg.threads is not None or cfg.device != "cpu" or cfg.tensor_parallel_size > 1:
             return
-        worker = sum(len(c) if c else 1 for c in placement)
+        worker = cores_taken(placement)
         if len(usable) > worker:
             cfg.threads = len(usable) - worker
             cfg.prefill_threads = cfg.prefill_threads or len(usable)
@@ -121,13 +121,13 @@ class LLM:
         get new prompts at their first round instead of prefilling them during the target's prefill."""
         import os
 
-        from ssd.speculation.worker.placement import local_cores
+        from ssd.speculation.worker.placement import cores_taken, local_cores
 
         if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu" or \
                 cfg.tensor_parallel_size > 1:
             return False
         usable = sorted(os.sched_getaffinity(0))
-        workers = sum(len(c) if c else 1 for c in local_cores(usable, cfg.num_draft_workers, cfg.draft_cores))
+        workers = cores_taken(local_cores(usable, cfg.num_draft_workers, cfg.draft_cores))
         return prefill_threads + workers > len(usable)
 
     @staticmethod
@@ -140,14 +140,14 @@ class LLM:
         may prefill new prompts in local rounds at no cost to the target."""
         import os
 
-        from ssd.speculation.worker.placement import local_cores
+        from ssd.speculation.worker.placement import cores_taken, local_cores
 
         if cfg.device != "cpu" or cfg.draft_host is not None or (cfg.draft_device or "cpu") != "cpu":
             return None, True
         cores = len(os.sched_getaffinity(0))
         placement = local_cores(sorted(os.sched_getaffinity(0)), cfg.num_draft_workers, cfg.draft_cores)
         usable = cfg.threads or cores
-        worker = sum(len(c) if c else 1 for c in placement)
+        worker = cores_taken(placement)
         if usable > worker:
             log.info("auto_ssd: the target runs on %d thread(s) while the worker drafts, on %d otherwise",
                      usable - worker, usable)

@@ -100,8 +100,7 @@ class SpeculativeStep:
         handed_later = later and self.proposer.name == "worker"
         try:
             if handed_later:
-                for s in seqs:
-                    s.spec_state.detached = True
+                pass             # SSD: detached below, so the worker takes them at its first round
             elif getattr(self.proposer, "lazy", False):
                 # auto: prefill the in-process draft now (as SD does) when its rounds are the current
                 # regime and would draft for a batch this size; a lazy draft would feed the whole
@@ -120,7 +119,7 @@ class SpeculativeStep:
             except ProposerFailed as e:
                 self._worker_lost(e)
                 attach = False
-        if self.worker is not None and not attach:
+        if handed_later or self.worker is not None and not attach:
             for s in seqs:       # the worker takes a sequence (with its whole context) when it first drafts for it
                 s.spec_state.detached = True
         with self.tracer.span("target", "prefill"):

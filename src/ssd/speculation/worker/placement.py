@@ -68,3 +68,8 @@ def local_cores(usable: Sequence[int], num_workers: int, draft_cores=None) -> li
                          "(CLI: --draft-workers), give draft_cores per worker explicitly, or run workers on other "
                          "hosts (draft_host)")
     return [[c] for c in allowed[len(allowed) - num_workers:]]
+
+
+def cores_taken(placement: Sequence[Cores | None]) -> int:
+    """How many cores a `local_cores` placement gives its workers (an unpinned worker counts one)."""
+    return sum(len(c) if c else 1 for c in placement)
