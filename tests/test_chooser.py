@@ -184,3 +184,40 @@ def test_one_early_rejection_does_not_end_drafting_for_a_request(monkeypatch, pr
     assert first[0] >= 1
     ch._acc(1).observe(first[0], 0)               # the first draft token rejected
     assert (ch.plan([1], [3])[0] > 0) == drafts_after
+
+
+@pytest.mark.parametrize("table", [True, False])
+def test_measured_row_counts_price_a_step_in_the_kernels_cost_that_the_line_smooths_over(table):
+    """A target whose forward costs the same at 3 and 4 rows (a staircase, as CPU kernels have): with the
+    row table the chooser drafts 3 tokens (4 rows), which the measured costs make fastest; the control
+    (line only) fits a + b R through the staircase, overprices 4 rows and drafts 2."""
+    true = {1: 1.0, 2: 1.1, 3: 1.25, 4: 1.26, 5: 1.7}
+    m = model(c=0.3, d=0.0, e=0.0)
+    if not table:
+        m.rows.min_count = 10**9
+    for _ in range(40):
+        for rows, t in true.items():
+            m.observe_target(rows, t)
+    acc = [0.8]
+    truth = {k: expected_tokens(0.8, k) / (true[k + 1] + 0.3 * k) for k in range(1, 5)}
+    assert max(truth, key=truth.get) == 3
+    assert best_plan(acc, [4], m) == ([3] if table else [2])
+    if table:
+        assert [m.target_s(r) for r in true] == pytest.approx(list(true.values()))
+        assert m.target_s(8) == pytest.approx(m.target.predict([1.0, 8]))     # never measured: the line
+
+
+def test_the_row_table_averages_then_follows_and_trusts_a_count_after_min_count():
+    from ssd.speculation.chooser import RowTable
+
+    t = RowTable(alpha=0.25, min_count=3)
+    t.observe(4, 1.0)
+    t.observe(4, 2.0)
+    assert t.get(4) is None and not t.measured(4)        # two observations: not trusted yet
+    t.observe(4, 3.0)
+    assert t.get(4) == pytest.approx(2.0)                # the mean of the first ones
+    t.observe(4, 3.0)
+    assert t.get(4) == pytest.approx(2.25)               # the mean of four (1 / n = alpha)
+    t.observe(4, 6.25)
+    assert t.get(4) == pytest.approx(2.25 + 0.25 * 4.0)  # then an exponential average
+    assert t.get(5) is None
