@@ -1,9 +1,8 @@
 """mode="auto": choose every round, per sequence, how many draft tokens to verify (0 = a plain target
 step), from an online cost model and each request's measured acceptance (docs/ARCHITECTURE.md 4.1).
 
-The model: a target forward over R rows costs a + b R, or, once R rows were measured a few times,
-their measured time (RowTable: the CPU kernels' cost is not linear in the rows); drafting costs c per
-draft step plus d per row of it (a plan with K_b tokens for sequence b runs max K_b steps, step j over the sequences with
+The model: a target forward over R rows costs a + b R; drafting costs c per draft step plus d per
+row of it (a plan with K_b tokens for sequence b runs max K_b steps, step j over the sequences with
 K_b > j). A sequence with per-token acceptance a_b and K_b draft tokens commits
 E(a_b, K_b) = (1 - a_b^(K_b+1)) / (1 - a_b) tokens in expectation. The chooser maximizes
 sum_b E(a_b, K_b) / time(plan): first the best common K, then coordinate ascent per sequence. It
@@ -58,61 +57,28 @@ class RLS:
         return sum(a * b for a, b in zip(self._w, x))
 
 
-class RowTable:
-    """The target forward's measured time at each row count: a mean of the first 1 / alpha observations,
-    then an exponential average; trusted once it has `min_count` of them. On a 2-core AVX2 host the
-    int8 kernel's forward at 1..5 rows took 80 / 88 / 100 / 118 / 138 ms in one measurement (extra
-    rows get dearer; a 1-row pass has its own code path): a line a + b R fitted where the chooser runs
-    misprices the other row counts by several percent, and the choice between near-equal draft lengths
-    turns on that. Replayed on recorded greedy acceptance traces with three such measured cost sets
-    (scripts/auto_trace_sim.py), auto got 0.93-0.985x the best fixed K with the line and 0.975-0.997x
-    with the table."""
-
-    def __init__(self, alpha: float = 0.2, min_count: int = 3):
-        self.alpha, self.min_count = alpha, min_count
-        self.value: dict[int, float] = {}
-        self.count: dict[int, int] = {}
-
-    def observe(self, rows: int, y: float) -> None:
-        n = self.count.get(rows, 0) + 1
-        self.count[rows] = n
-        old = self.value.get(rows, y)
-        self.value[rows] = old + (y - old) * max(self.alpha, 1.0 / n)    # a mean first, then an EMA
-
-    def measured(self, rows: int) -> bool:
-        return self.count.get(rows, 0) >= self.min_count
-
-    def get(self, rows: int) -> float | None:
-        return self.value[rows] if self.measured(rows) else None
-
-    def copy_from(self, other: "RowTable") -> None:
-        self.value, self.count = dict(other.value), dict(other.count)
-
-
 CATCH_UP_PRIOR = 0.02      # a draft's catch-up per missed token, in units of a target forward (see CostModel)
 
 
 class CostModel:
-    """Target forward time a + b R (or the row table's measurement at R); draft time c per step + d per
-    row + e per catch-up token (a draft that sat out plain rounds first feeds the tokens it missed).
-    Fitted in units of the first measured target forward (so the priors below are relative): extra rows
-    cost 10% of a step, a draft step 30%, a draft row 3%, a catch-up token 2% (catching up is one
-    batched draft forward over the missed tokens, like a prefill; a 10% prior kept auto from ever
-    drafting for short answers, so the term was never measured). With `worker` (SSD rounds of auto_ssd) drafting is instead the expected wait
+    """Target forward time a + b R; draft time c per step + d per row + e per catch-up token (a draft
+    that sat out plain rounds first feeds the tokens it missed). Fitted in units of the first measured
+    target forward (so the priors below are relative): extra rows cost 10% of a step, a draft step 30%,
+    a draft row 3%, a catch-up token 2% (catching up is one batched draft forward over the missed
+    tokens, like a prefill; a 10% prior kept auto from ever drafting for short answers, so the term
+    was never measured). With `worker` (SSD rounds of auto_ssd) drafting is instead the expected wait
     for the draft worker (worker_wait.py)."""
 
 
     def __init__(self, worker: WorkerWait | None = None):
         self.unit: float | None = None
         self.target = RLS([1.0, 0.1])
-        self.rows = RowTable()
         self.draft = RLS([0.3, 0.03, CATCH_UP_PRIOR])
         # SSD rounds: the worker drafts during the verify; the target waits for it only on a cache miss
         self.worker = worker
 
     def target_s(self, rows: int) -> float:
-        measured = self.rows.get(rows)
-        return max(measured if measured is not None else self.target.predict([1.0, rows]), 1e-3)
+        return max(self.target.predict([1.0, rows]), 1e-3)
 
     def draft_s(self, num_draft: list[int], catch_up: float = 0.0, acceptance: list[float] | None = None) -> float:
         steps = max(num_draft, default=0)
@@ -130,7 +96,6 @@ class CostModel:
         if self.unit is None:
             self.unit = max(seconds, 1e-6) / self.target_s(rows)
         self.target.update([1.0, rows], seconds / self.unit)
-        self.rows.observe(rows, seconds / self.unit)
 
     def observe_draft(self, num_draft: list[int], seconds: float, catch_up: int = 0) -> None:
         if max(num_draft, default=0) and self.unit is not None and self.worker is None:
@@ -155,7 +120,6 @@ def local_cost(worker_rounds: CostModel, draft_step: float, catch_up: float = 0.
     m = CostModel()
     m.unit = worker_rounds.unit
     m.target.set(worker_rounds.target.w.tolist())
-    m.rows.copy_from(worker_rounds.rows)
     m.draft.set([draft_step, 0.0, catch_up])
     return m
 
