@@ -184,3 +184,38 @@ def test_one_early_rejection_does_not_end_drafting_for_a_request(monkeypatch, pr
     assert first[0] >= 1
     ch._acc(1).observe(first[0], 0)               # the first draft token rejected
     assert (ch.plan([1], [3])[0] > 0) == drafts_after
+
+
+@pytest.mark.parametrize("fit", ["level_and_rows", "least_squares"])
+def test_a_rows_cost_is_learnt_within_a_machine_phase_not_across_phases(fit):
+    """A VM whose speed changes in phases (1.6x slower every other 24 rounds) while the row count follows
+    the phase (a chooser picks longer drafts when it happens to run slow), with a plain round every 8:
+    the level/rows model learns the true relative row cost 0.15; the control, one least-squares line
+    over all rounds (RLS with forgetting), attributes the slow phases to the rows (more than 3x)."""
+    from ssd.speculation.chooser import RLS, TargetLine
+
+    rng = random.Random(0)
+    line = TargetLine((1.0, 0.1)) if fit == "level_and_rows" else RLS([1.0, 0.1])
+    for i in range(480):
+        slow = (i // 24) % 2 == 1
+        rows = 1 if i % 8 == 0 else 5 if slow else 2
+        line.update([1.0, rows], (1.6 if slow else 1.0) * (1 + 0.15 * rows) * rng.uniform(0.95, 1.05))
+    a, b = line.w.tolist()
+    if fit == "level_and_rows":
+        assert b / a == pytest.approx(0.15, abs=0.02)
+        assert a == pytest.approx(1.6, rel=0.05)        # the last phase was a slow one: the level follows it
+    else:
+        assert b / a > 0.45
+
+
+def test_the_target_line_keeps_its_row_cost_while_the_row_count_does_not_change():
+    """Rounds at one row count say nothing about the cost of a row: only the level moves."""
+    from ssd.speculation.chooser import TargetLine
+
+    line = TargetLine((1.0, 0.2))
+    for _ in range(50):
+        line.update([1.0, 3], 2.0)
+    assert line.rho == pytest.approx(0.2)
+    assert line.predict([1.0, 3]) == pytest.approx(2.0)
+    line.set([0.5, 0.05])
+    assert (line.a, line.rho) == (0.5, pytest.approx(0.1))

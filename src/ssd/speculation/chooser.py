@@ -57,6 +57,53 @@ class RLS:
         return sum(a * b for a, b in zip(self._w, x))
 
 
+class TargetLine:
+    """The target forward's time over R rows, a + b R = a (1 + rho R), fitted as two things that change
+    at different rates. The level a follows the machine's speed (an exponential average of y / (1 + rho
+    R), weight `level_alpha`); rho, the relative cost of a row, is a property of the kernels and is
+    learnt only from consecutive rounds with different row counts (same machine phase), as a ratio of
+    exponential sums: rho = sum(y - y0) / sum(y0 R - y R0), signed by R - R0.
+
+    A plain least-squares line (RLS with forgetting) confounds the two on a shared VM: a 2-core host's
+    speed moves +-50% in phases of many rounds, and the chooser's draft lengths change with those
+    phases, so rows run in a slow phase looked dear. Measured there (auto at batch 1, MT-Bench): the
+    line's slope was 38% of a 1-row forward per row, where forcing K = 0..4 in turn (every K sees every
+    phase) measured 12-20%; the steep line made auto choose K = 1 and plain rounds where K = 2 is
+    best."""
+
+    def __init__(self, prior: tuple[float, float] = (1.0, 0.1), level_alpha: float = 0.15,
+                 pair_decay: float = 0.98, prior_rows: float = 4.0):
+        self.a, self.rho = prior[0], prior[1] / prior[0]
+        self.level_alpha, self.pair_decay = level_alpha, pair_decay
+        self.num, self.den = self.rho * prior_rows, prior_rows      # the prior: worth `prior_rows` rows
+        self.prev: tuple[int, float] | None = None
+        self.levels = 0                  # observations of the level so far (a mean until 1 / level_alpha)
+
+    @property
+    def w(self) -> torch.Tensor:
+        return torch.tensor([self.a, self.a * self.rho], dtype=torch.float64)
+
+    def set(self, w: list[float]) -> None:
+        self.a, self.rho = w[0], w[1] / w[0] if w[0] else 0.0
+
+    def predict(self, x: list[float]) -> float:
+        return self.a * (x[0] + self.rho * x[1])
+
+    def update(self, x: list[float], y: float) -> None:
+        rows = x[1]
+        if self.prev is not None and self.prev[0] != rows:
+            r0, y0 = self.prev
+            sign = 1.0 if rows > r0 else -1.0
+            self.num = self.pair_decay * self.num + sign * (y - y0)
+            self.den = self.pair_decay * self.den + sign * (y0 * rows - y * r0)
+            if self.den > 1e-9:
+                self.rho = min(max(self.num / self.den, 0.0), 2.0)
+        self.prev = (rows, y)
+        self.levels += 1
+        alpha = max(self.level_alpha, 1.0 / self.levels)
+        self.a += alpha * (y / (1.0 + self.rho * rows) - self.a)
+
+
 CATCH_UP_PRIOR = 0.02      # a draft's catch-up per missed token, in units of a target forward (see CostModel)
 
 
@@ -72,7 +119,7 @@ class CostModel:
 
     def __init__(self, worker: WorkerWait | None = None):
         self.unit: float | None = None
-        self.target = RLS([1.0, 0.1])
+        self.target = TargetLine((1.0, 0.1))
         self.draft = RLS([0.3, 0.03, CATCH_UP_PRIOR])
         # SSD rounds: the worker drafts during the verify; the target waits for it only on a cache miss
         self.worker = worker
