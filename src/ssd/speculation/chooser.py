@@ -1,7 +1,8 @@
 """mode="auto": choose every round, per sequence, how many draft tokens to verify (0 = a plain target
 step), from an online cost model and each request's measured acceptance (docs/ARCHITECTURE.md 4.1).
 
-The model: a target forward over R rows costs a + b R; drafting costs c per draft step plus d per
+The model: a target forward over R rows costs a + b R (TargetLine: a level that follows the machine
+and a relative row cost b / a learnt from consecutive rounds); drafting costs c per draft step plus d per
 row of it (a plan with K_b tokens for sequence b runs max K_b steps, step j over the sequences with
 K_b > j). A sequence with per-token acceptance a_b and K_b draft tokens commits
 E(a_b, K_b) = (1 - a_b^(K_b+1)) / (1 - a_b) tokens in expectation. The chooser maximizes
