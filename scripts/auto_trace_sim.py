@@ -17,7 +17,7 @@ looked dear and were never run again. Treat a gain here as necessary, not suffic
     python scripts/auto_trace_sim.py costs                             # target ms per row count, draft ms per step
     python scripts/auto_trace_sim.py simulate traces.json --target-ms 80,88,100,118,138 --draft-ms 30
 
-The costs are this host's; `costs` measures them with auto's plan forced through K = 1..4.
+The costs are this host's; `costs` measures them with auto's plan forced through K = 0..4 in turn.
 """
 from __future__ import annotations
 
