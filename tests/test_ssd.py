@@ -525,3 +525,29 @@ def test_worker_serves_other_draft_lengths_than_k(tiny_pair):
     assert len(chain) == 2
     longer = w.speculate([m.Request(0, a, b, 4)])[0]         # more than pre-drafted: the chain is finished
     assert longer.source == m.Source.PARTIAL and longer.tokens[:2] == chain and len(longer.tokens) == 4
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_a_program_that_never_closes_its_ssd_engine_exits_cleanly(tiny_pair, ar_ref, control):
+    """A script that generates with SSD and ends without LLM.close(): the worker and its link are
+    stopped at interpreter exit, before torch is torn down. The control removes that exit hook: the
+    process then aborts (SIGABRT) on a torch internal assert about a tensor still in use."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from ssd.speculation.worker.client import _child_env
+
+    target, draft = tiny_pair
+    code = textwrap.dedent(f"""
+        import ssd.speculation.worker.client as client
+        if {control}:
+            client._close_at_exit = lambda ref: (lambda: None)
+        from ssd import LLM, SamplingParams
+        llm = LLM({str(target)!r}, draft={str(draft)!r}, mode="ssd", k=3, dtype="float32", progress=False,
+                  kv_cache_gb=0.05)
+        print(llm.generate({PROMPTS[0]!r}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_child_env())
+    assert p.stdout.strip() == str(ar_ref[0])
+    assert (p.returncode == 0 and "INTERNAL ASSERT" not in p.stderr) != control, p.stderr[-2000:]

@@ -3,12 +3,14 @@ another host), hand it its whole configuration, then send typed messages (docs/A
 One client per worker."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+import weakref
 
 from ssd.engine.childlog import LoggedChild
 from ssd.speculation.worker import messages as m
@@ -34,6 +36,9 @@ class DraftClient:
         self._posted: list[Posted] = []   # adds and frees not yet known to be received
         host, port = ("127.0.0.1", free_port()) if listen is None else _split(listen)
         self.address = f"{host}:{port}"
+        # stop the worker and the link before the interpreter tears down torch: an LLM never closed
+        # left gloo work holding tensors, and the exit aborted on a torch internal assert
+        atexit.register(_close_at_exit(weakref.ref(self)))
         if listen is None:
             cmd = [sys.executable, "-m", "ssd.speculation.worker", "--connect", f"{host}:{port}",
                    "--device", device, "--timeout", str(timeout_s)]
@@ -164,6 +169,14 @@ class DraftClient:
                 self.proc.kill()
         if self.chan is not None:
             self.chan.close()
+
+
+def _close_at_exit(ref):
+    def close():
+        client = ref()
+        if client is not None:
+            client.close()
+    return close
 
 
 def start_clients(wcfg, kwargs: list[dict]):
