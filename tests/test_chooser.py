@@ -159,6 +159,21 @@ def test_a_chooser_that_always_drafts_runs_a_plain_round_now_and_then_and_resume
     assert all(off.plan([1], [3]) == [3] for _ in range(70))
 
 
+@pytest.mark.parametrize("every, probe_every", [(64, 16), (32, 16), (48, 12), (24, 7), (100, 10)])
+def test_a_plain_probe_runs_whatever_the_two_periods(every, probe_every):
+    """The plain probe's round never always coincides with a one-token probe round (which takes
+    precedence): with every = 64 and probe_every = 16 the old offset (every // 4 = 16) never ran one."""
+    from ssd.speculation.chooser import plain_probe_offset
+
+    ch = Chooser(k=3, plain_probe_every=every, probe_every=probe_every)
+    ch.cost = model(b=0.02, c=0.1, d=0.01)
+    for _ in range(4 * every):
+        ch.plan([1], [3])
+    assert ch.plain_probes >= 3
+    off = every // 4                     # the control: the old offset
+    assert any((off + j * every) % probe_every for j in range(4)) == (plain_probe_offset(every, probe_every) == off)
+
+
 def test_a_draft_that_sat_out_the_rounds_since_the_last_probe_is_still_probed():
     """A plain round leaves the in-process draft one token further behind; a probe every 16 rounds must
     still reach a draft up to 16 tokens behind, or a chooser that went plain would never look again."""

@@ -16,6 +16,8 @@ Exactness does not depend on any of this: every plan is verified by the same exa
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ssd.speculation.worker_wait import WorkerWait
@@ -248,6 +250,16 @@ class AcceptanceEstimate:
         return min(max(self.acc / max(self.acc + self.rej, 1e-9), 0.0), 0.999)
 
 
+def plain_probe_offset(every: int, probe_every: int) -> int:
+    """The round (mod `every`) of the plain probe: a quarter into the cycle, moved by one where that
+    would always fall on a one-token probe round (a common divisor of the two periods divides it), which
+    takes precedence: with every = 64 and probe_every = 16, round 16 of 64 would never run a plain probe."""
+    if not every:
+        return 0
+    off = every // 4
+    return off + 1 if math.gcd(every, probe_every) > 1 and off % math.gcd(every, probe_every) == 0 else off
+
+
 class Chooser:
     """shares_acceptance: another chooser whose per-request acceptance estimates this one reads and
     updates (auto_ssd: the chooser of worker rounds fits its own verify costs, with the target on
@@ -268,6 +280,7 @@ class Chooser:
         # cost at the plain row count measured (a chooser that always drafts fits its cost line at
         # K+1 rows per request only and may overestimate a plain step). 0: never
         self.plain_probe_every = plain_probe_every
+        self.plain_probe_at = plain_probe_offset(plain_probe_every, probe_every)
         self.cost = cost or CostModel()
         other = shares_acceptance
         self.global_acc = other.global_acc if other else AcceptanceEstimate(0.6, strength=4.0)
@@ -313,7 +326,7 @@ class Chooser:
                 self.probes_skipped += 1
         self.last.update(zip(seq_ids, new))     # a plain probe below does not become the plan to keep
         n = self.plain_probe_every
-        if n and self.rounds % n == n // 4 and self.rounds % self.probe_every and any(new):   # not on a probe round
+        if n and self.rounds % n == self.plain_probe_at and self.rounds % self.probe_every and any(new):
             new = [0] * len(new)
             self.plain_probes += 1
         self.predicted_tokens = sum(expected_tokens(a, k) for a, k in zip(acc, new))
