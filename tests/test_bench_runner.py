@@ -78,6 +78,21 @@ def test_schema_and_runs(result):
     assert cfg["target_weight_bytes_per_token"] > 0
 
 
+def test_the_kv_cache_is_sized_to_the_runs_prompts(result, tiny_pair):
+    """Without --kv-cache-gb/--kv-cache-tokens every engine gets the slots of the run's longest contexts
+    (a bench holds all its engines at once); a given size is kept."""
+    from ssd.bench.runner import _render, bench_kv_tokens
+    from ssd.models.loader import load_tokenizer
+
+    rendered = _render(PROMPTS, load_tokenizer(tiny_pair[0]), 4096, MAX_TOKENS)
+    want = bench_kv_tokens(rendered, 1, MAX_TOKENS, 3)
+    assert result["config"]["kv_cache_gb"] is None and result["config"]["kv_cache_tokens"] == want
+    lens = sorted(len(i) for v in rendered.values() for i in v)
+    assert want == -(-(lens[-1] + MAX_TOKENS + 5) // 16) * 16 * 5 // 4 + 64
+    two = {"a": [[1] * 10, [1] * 40], "b": [[1] * 20]}
+    assert bench_kv_tokens(two, 2, 8, 4, block_size=16) == 64 + 48 + 28 + 64    # (64 + 48) * 1.25 + 4 blocks
+
+
 def test_summary(result):
     s = result["summary"]
     assert set(s) == {"ar", "sd", "hf", "hf-assisted"}

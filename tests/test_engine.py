@@ -167,6 +167,19 @@ def test_preemption_keeps_outputs_exact(tiny_pair, ar_outputs):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_kv_cache_sized_in_tokens(tiny_pair, ar_outputs):
+    """kv_cache_tokens (llama.cpp's context size) sets the target's KV slots, in whole blocks; a
+    request that cannot fit names both settings; bad values are refused."""
+    lm = LLM(str(tiny_pair[0]), dtype="float32", progress=False, kv_cache_tokens=100)
+    assert lm.engine.target.block_manager.num_blocks == 7                  # ceil(100 / 16)
+    assert [o.token_ids for o in lm.generate(PROMPTS, GREEDY)] == ar_outputs
+    with pytest.raises(PromptTooLongError, match="kv_cache_tokens"):
+        lm.generate("x" * 100, GREEDY)
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="kv_cache_tokens must be"):
+            LLM(str(tiny_pair[0]), dtype="float32", progress=False, kv_cache_tokens=bad)
+
+
 def test_chat_template(ar):
     out = ar.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
     assert ar.encode_chat([{"role": "user", "content": "hi"}]) == ar.encode("u:hi\na:")

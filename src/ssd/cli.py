@@ -42,7 +42,10 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    help="weights of the draft (default: --dtype). int8 makes a CPU draft about 2x faster and "
                    "stays exact: the target verifies every token")
     g.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output in tokens")
-    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache memory of the target in GiB")
+    g.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache memory of the target in GiB (default 1; bench: sized to its prompts)")
+    g.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache of the target in tokens (like llama.cpp's -c); replaces --kv-cache-gb")
     g.add_argument("--draft-workers", type=int, default=None,
                    help="ssd: draft workers sharing the batch (data-parallel drafts; default: one per --draft-host "
                    "address, else 1). Local workers take one core each, the last ones; the target the rest")
@@ -107,7 +110,8 @@ def _llm(args, **extra):
     return LLM(args.model, draft=args.draft, mode=args.mode, k=args.k, device=args.device,
                draft_device=args.draft_device, threads=args.threads, prefill_threads=args.prefill_threads,
                dtype=args.dtype, draft_dtype=args.draft_dtype, max_model_len=args.max_model_len,
-               kv_cache_gb=args.kv_cache_gb, spec_max_batch=args.spec_max_batch,
+               kv_cache_gb=1.0 if args.kv_cache_gb is None else args.kv_cache_gb,
+               kv_cache_tokens=args.kv_cache_tokens, spec_max_batch=args.spec_max_batch,
                draft_cores=parse_cores(args.draft_cores), num_draft_workers=args.draft_workers,
                draft_threads=args.draft_threads, draft_host=args.draft_host, fanout_budget=args.fanout_budget,
                saguaro_c=args.saguaro_c, backup=args.backup, auto_ssd=args.auto_ssd,

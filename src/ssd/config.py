@@ -26,6 +26,8 @@ class EngineConfig:
                                          # the target emits, so a faster int8 draft stays exact.
     max_model_len: int = 4096
     kv_cache_gb: float = 1.0             # KV memory of the target; the draft gets the same number of slots
+    kv_cache_tokens: int | None = None   # KV slots of the target in tokens (llama.cpp's context size);
+                                         # replaces kv_cache_gb when set
     block_size: int = 16
     max_num_seqs: int = 16
     spec_max_batch: int | None = None    # sd/ssd: draft only while the decode batch has at most this many
@@ -74,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"k must be in [1, 16], got {self.k}")
         if self.block_size < 1 or self.max_model_len < 2 or self.kv_cache_gb <= 0:
             raise ValueError("block_size >= 1, max_model_len >= 2 and kv_cache_gb > 0 are required")
+        if self.kv_cache_tokens is not None and (not isinstance(self.kv_cache_tokens, int)
+                                                 or isinstance(self.kv_cache_tokens, bool) or self.kv_cache_tokens < 1):
+            raise ValueError(f"kv_cache_tokens must be a whole number of tokens >= 1 (or None: size the cache by "
+                             f"kv_cache_gb), got {self.kv_cache_tokens!r}")
         if self.backup not in ("auto", "neural", "fast"):
             raise ValueError(f"backup must be 'auto', 'neural' or 'fast', got {self.backup!r}")
         if self.fanout_budget is not None and self.fanout_budget < 1:

@@ -258,10 +258,13 @@ class LLM:
             pass
 
     def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None, tp=None) -> ModelRunner:
-        """tp: the tensor-parallel target; kv_cache_gb then sizes rank 0's shard of the cache (its KV
+        """The target's KV slots: kv_cache_tokens where set, else what fits in kv_cache_gb.
+        tp: the tensor-parallel target; kv_cache_gb then sizes rank 0's shard of the cache (its KV
         heads), and every rank holds the same number of slots."""
         bs = self.config.block_size
-        if num_blocks is None:
+        if num_blocks is None and self.config.kv_cache_tokens is not None:
+            num_blocks = max(-(-self.config.kv_cache_tokens // bs), 2)
+        elif num_blocks is None:
             per_token = ModelRunner.kv_bytes_per_token(loaded.model, device)
             num_blocks = max(int(self.config.kv_cache_gb * 2**30 // (per_token * bs)), 2)
         if tp is not None:

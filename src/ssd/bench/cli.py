@@ -109,7 +109,7 @@ def config_from_args(args):
         num_prompts=pick("num_prompts"), max_tokens=pick("max_tokens"), temperature=args.temperature,
         batch_size=args.batch_size, interleave=not args.no_interleave, auto_ssd=bool(args.auto_ssd), threads=args.threads, prefill_threads=args.prefill_threads,
         spec_max_batch=args.spec_max_batch, dtype=args.dtype, device=args.device, draft_device=args.draft_device,
-        draft_dtype=args.draft_dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, seed=args.seed, placement=args.placement, peers=pick("peers"),
+        draft_dtype=args.draft_dtype, max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed, placement=args.placement, peers=pick("peers"),
         peer_assistant_tokens=args.peer_assistant_tokens,
         out_dir=args.out_dir, stem=args.stem, bandwidth=not args.no_bandwidth, warmup=not args.no_warmup,
         title=args.title or ("ssd bench --quick" if args.quick else None),

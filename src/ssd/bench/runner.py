@@ -29,6 +29,7 @@ How a run is measured
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import re
@@ -75,7 +76,8 @@ class BenchConfig:
     draft_device: str | None = None
     draft_dtype: str | None = None           # default: dtype (the hf-assisted peer always uses peer dtype)
     max_model_len: int = 4096
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float | None = None         # None (and no kv_cache_tokens): sized to the prompts (bench_kv_tokens)
+    kv_cache_tokens: int | None = None
     seed: int = 0                            # prompt selection, and per-prompt sampling seeds
     placement: str = "paper"                 # ssd: "paper" (worker adds cores) or "equal" (same total cores)
     peers: list[str] = field(default_factory=list)
@@ -247,13 +249,26 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
     return LLM(cfg.model, draft=cfg.draft if mode != "ar" else None, mode=mode, k=k, device=cfg.device,
                draft_device=cfg.draft_device, threads=mode_threads(cfg, mode), prefill_threads=prefill,
                dtype=cfg.dtype, draft_dtype=cfg.draft_dtype,
-               max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb,
+               max_model_len=cfg.max_model_len, kv_cache_gb=cfg.kv_cache_gb or 1.0,
+               kv_cache_tokens=cfg.kv_cache_tokens,
                max_num_seqs=max(16, *cfg.batch_sizes), progress=cfg.progress, trace=True,
                tensor_parallel_size=cfg.tensor_parallel_size,
                **({"tp_transport": cfg.tp_transport} if cfg.tensor_parallel_size > 1 else {}),
                **(cfg.ssd_options if mode == "ssd" or mode == "auto" and cfg.auto_ssd else {}),
                **({"auto_ssd": True} if mode == "auto" and cfg.auto_ssd else {}),
                **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}))
+
+
+def bench_kv_tokens(rendered: dict[str, list[list[int]]], batch_size: int, max_tokens: int, k: int,
+                    block_size: int = 16) -> int:
+    """KV slots an engine needs for this run: the `batch_size` longest contexts (prompt, output and
+    a round's draft lookahead, in whole blocks) with a quarter more for blocks held while a batch ends.
+    Every engine of a bench lives at once: ten engines at the default 1 GiB (1.3 GiB resident with the
+    draft's cache) ran a 24 GiB machine out of memory, where this run's prompts need a few MiB each."""
+    per_seq = sorted((-(-(len(ids) + max_tokens + k + 2) // block_size) * block_size
+                      for ids in (i for v in rendered.values() for i in v)), reverse=True)
+    need = sum(per_seq[:batch_size])
+    return need + need // 4 + 4 * block_size
 
 
 def _matches(ids: list[list[int]] | None, ref: list[list[int]] | None) -> float | None:
@@ -285,6 +300,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "threads": cfg.threads if cfg.threads is not None else torch.get_num_threads(),
         "seed": cfg.seed, "warmup": cfg.warmup, "peers": cfg.peers, "placement": cfg.placement,
         "spec_max_batch": cfg.spec_max_batch, "kv_cache_gb": cfg.kv_cache_gb,
+        "kv_cache_tokens": cfg.kv_cache_tokens,
         "interleaved": cfg.interleave, "auto_ssd": cfg.auto_ssd,
         "run_order": ("every batch of prompts runs once per configuration, in an order rotating by one "
                       "configuration per batch; engines share the loaded weights" if cfg.interleave else
@@ -327,6 +343,12 @@ def run_bench(cfg: BenchConfig) -> dict:
     cells: dict[tuple[str, int, str], er.Cell] = {}
     timelines: dict[str, list] = {}
     load_s: dict[str, float] = {}
+
+    if specs and cfg.kv_cache_gb is None and cfg.kv_cache_tokens is None:
+        cfg = dataclasses.replace(cfg, kv_cache_tokens=_sized_kv_tokens(cfg, prompts))
+        config["kv_cache_tokens"] = cfg.kv_cache_tokens
+        log.info("KV cache: %d tokens per engine (this run's longest %d contexts; --kv-cache-gb or "
+                 "--kv-cache-tokens to set it)", cfg.kv_cache_tokens, max(bss))
 
     def build(spec):
         nonlocal rendered
@@ -391,6 +413,15 @@ def run_bench(cfg: BenchConfig) -> dict:
         result["summary_by_batch_size"] = {str(bs): summarize([r for r in runs if r.get("batch_size") == bs])
                                            for bs in bss}
     return result
+
+
+def _sized_kv_tokens(cfg: BenchConfig, prompts: dict[str, list[BenchPrompt]]) -> int:
+    from ssd.models.loader import load_tokenizer
+    from ssd.models.registry import resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(cfg.model, progress=cfg.progress))
+    rendered = _render(prompts, tokenizer, cfg.max_model_len, cfg.max_tokens)
+    return bench_kv_tokens(rendered, max(cfg.batch_sizes), cfg.max_tokens, max(cfg.ks))
 
 
 def _finish_runs(cfg: BenchConfig, specs, entries, cells, load_s, config, bandwidth):

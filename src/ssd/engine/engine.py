@@ -116,7 +116,7 @@ class LLMEngine:
                 raise PromptTooLongError(
                     f"the request needs up to {longest} tokens of KV cache but the cache holds "
                     f"{m.num_blocks * m.block_size}: lower max_tokens or give the engine more KV memory "
-                    "(kv_cache_gb)")
+                    "(kv_cache_gb or kv_cache_tokens)")
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         seq = Sequence(next(self._ids), request_id, prompt_token_ids, params, self.tokenizer,
