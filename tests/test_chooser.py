@@ -145,18 +145,6 @@ def test_would_speculate_follows_the_cost_model_and_the_batch_size():
     assert not ch.would_speculate(0)
 
 
-def test_a_draft_prefill_needs_a_clear_predicted_win():
-    """Drafting predicted a few percent faster than plain rounds (at the engine-wide acceptance 0.6):
-    no eager draft prefill, the lazy draft keeps the choice open; margin 0 (the control, the old rule)
-    prefills."""
-    ch = Chooser(k=4)
-    ch.cost = model(a=1.0, b=0.1, c=0.45, d=0.026)
-    acc = [ch.global_acc.value]
-    gain = rate(best_plan(acc, [4], ch.cost), acc, ch.cost) / rate([0], acc, ch.cost)
-    assert 1.0 < gain < 1.1
-    assert not ch.would_speculate(1) and ch.would_speculate(1, margin=0.0)
-
-
 def test_a_chooser_that_always_drafts_runs_a_plain_round_now_and_then_and_resumes():
     """Every plain_probe_every rounds one plain round keeps the plain step's cost measured; the plan
     it returns to is the one it had (the probe does not become the kept plan)."""

@@ -230,11 +230,6 @@ PRIOR_ROUNDS = 8.0
 # step and an extra verify row every 16 rounds).
 OPTIMISTIC_ACCEPTANCE = 0.95
 
-# auto prefills its in-process draft with a new batch's prompts only where drafting is predicted at least
-# this much faster than plain rounds: on a 2-core AVX2 host, the first batch of 4 after batch-1 requests
-# was predicted to draft, prefilled its draft (TTFT up by the draft's prefill) and then ran plain rounds
-EAGER_MARGIN = 0.1
-
 
 class AcceptanceEstimate:
     """Per-token acceptance of one request: accepted / (accepted + rejections), with a prior of
@@ -347,17 +342,13 @@ class Chooser:
         trial[b] = max(trial[b], OPTIMISTIC_ACCEPTANCE)
         return best_plan(trial, caps, self.cost, behind, remaining)[b] > 0
 
-    def would_speculate(self, rows: int, margin: float = EAGER_MARGIN) -> bool:
+    def would_speculate(self, rows: int) -> bool:
         """Whether a batch of `rows` new requests at the engine-wide acceptance, drafts caught up, would
-        draft, with its best plan predicted at least `margin` faster than plain rounds (auto: prefill the
-        in-process draft with the prompt then, as SD does, instead of catching it up in the first decode
-        rounds). The prefill is an investment that pays only if the batch drafts; where drafting is
-        predicted to win by less, a lazy draft keeps the choice open (its catch-up is priced)."""
+        draft at all under the current cost model (auto: prefill the in-process draft with the prompt
+        then, as SD does, instead of catching it up in the first decode rounds)."""
         if rows < 1:
             return False
-        acc = [self.global_acc.value] * rows
-        plan = best_plan(acc, [self.k] * rows, self.cost)
-        return any(plan) and rate(plan, acc, self.cost) >= (1 + margin) * rate([0] * rows, acc, self.cost)
+        return any(best_plan([self.global_acc.value] * rows, [self.k] * rows, self.cost))
 
     def observe(self, seq_ids: list[int], num_draft: list[int], accepted: list[int], draft_s: float,
                 target_s: float, caught_up: int = 0) -> None:
