@@ -256,8 +256,8 @@ def plain_probe_offset(every: int, probe_every: int) -> int:
     takes precedence: with every = 64 and probe_every = 16, round 16 of 64 would never run a plain probe."""
     if not every:
         return 0
-    off = every // 4
-    return off + 1 if math.gcd(every, probe_every) > 1 and off % math.gcd(every, probe_every) == 0 else off
+    off, g = every // 4, math.gcd(every, probe_every)
+    return off + 1 if g > 1 and off % g == 0 else off
 
 
 class Chooser:
