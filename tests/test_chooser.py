@@ -184,6 +184,70 @@ def test_a_draft_that_sat_out_the_rounds_since_the_last_probe_is_still_probed():
     assert [far.plan([1], [3], behind=[40]) for _ in range(16)][15] == [0]     # a long catch-up: no probe
 
 
+def measured_2_thread_cost() -> CostModel:
+    """The cost model auto measured for the default pair on 2 threads (draft step 34% of a target step)."""
+    return model(a=1.0, b=0.1, c=0.336, d=0.066, e=0.02)
+
+
+@pytest.mark.parametrize("probe_behind", [None, 16])
+def test_a_lazy_draft_behind_by_its_whole_prompt_is_probed_and_drafting_resumes(probe_behind):
+    """A request admitted while the engine-wide acceptance said drafting would not pay keeps a lazy draft,
+    300 tokens (its prompt) behind. The request itself accepts every draft token. Probes reach it, pay
+    the catch-up once, and the chooser drafts for it from then on. Control: probes limited to drafts at
+    most 16 tokens behind (as before) never reach it, and it decodes plain to its end."""
+    ch = Chooser(k=4, probe_behind=probe_behind)
+    ch.cost = measured_2_thread_cost()
+    ch.global_acc = AcceptanceEstimate(0.4, strength=4.0)
+    assert not ch.would_speculate(1)                       # so the draft was left lazy at prefill
+    behind, left, drafted = 300, 400, []
+    while left > 0:
+        k = ch.plan([1], [4], behind=[behind], remaining=[left])[0]
+        if k:
+            ch._acc(1).observe(k, k)                       # every draft token accepted
+            behind = 0
+        else:
+            behind += 1
+        drafted.append(k)
+        left -= k + 1
+    assert ch.probes >= (1 if probe_behind is None else 0)
+    if probe_behind is None:
+        assert sum(k > 0 for k in drafted[-40:]) >= 30      # drafting for it by the end
+    else:
+        assert not any(drafted)
+
+
+@pytest.mark.parametrize("share, probed", [(None, False), (1.0, True)])
+def test_a_far_probe_runs_only_where_its_catch_up_is_a_small_share_of_the_request(monkeypatch, share, probed):
+    """300 tokens to catch up with 20 left to generate: at 0.95 acceptance drafting would still pay
+    (could_pay), but if the request does not accept that well, the catch-up was 6 target steps out of
+    the 20 it has left. No probe then. Control: any share allowed."""
+    import ssd.speculation.chooser as chooser_mod
+
+    if share is not None:
+        monkeypatch.setattr(chooser_mod, "FAR_PROBE_SHARE", share)
+    ch = Chooser(k=4)
+    ch.cost = measured_2_thread_cost()
+    ch.per_seq[1] = AcceptanceEstimate(0.4, strength=1e6)
+    assert ch.could_pay(0, [0.4], [4], [300], [20])
+    plans = [ch.plan([1], [4], behind=[300], remaining=[20]) for _ in range(16)]
+    assert (plans[15] == [1]) == probed and ch.probes == int(probed) and ch.probes_skipped == int(not probed)
+    near = Chooser(k=4)                                    # 10 behind: a cheap catch-up, probed
+    near.cost, near.per_seq[1] = ch.cost, ch.per_seq[1]
+    assert [near.plan([1], [4], behind=[10], remaining=[20]) for _ in range(16)][15] == [1]
+
+
+def test_the_requests_of_a_batch_take_turns_at_probes():
+    """Two requests the chooser stopped drafting for: the probes alternate between them (before, the
+    first request of the batch took every probe and the second was never re-measured)."""
+    ch = low_acceptance(Chooser(k=3, probe_every=4), 1, 2)
+    probed = []
+    for _ in range(16):
+        p = ch.plan([1, 2], [3, 3], behind=[1, 1], remaining=[100, 100])
+        if any(p):
+            probed.append(p.index(1))
+    assert probed == [0, 1, 0, 1]
+
+
 @pytest.mark.parametrize("prior_rounds, drafts_after", [(None, True), (2.0, False)])
 def test_one_early_rejection_does_not_end_drafting_for_a_request(monkeypatch, prior_rounds, drafts_after):
     """The cost model auto measured for the default pair on 2 threads (draft step 34% of a target

@@ -84,7 +84,8 @@ class ServerMetrics:
         self.auto_probes = Counter("ssd_auto_probes", "auto: one-token drafts for a request the chooser had "
                                    "stopped drafting for, to re-measure its acceptance", registry=r)
         self.auto_probes_skipped = Counter("ssd_auto_probes_skipped", "auto: such probes not run, because no "
-                                           "acceptance would have made drafting for that request pay", registry=r)
+                                           "acceptance would have made drafting for that request pay, or its draft's catch-up "
+                                           "would cost more than 10% of the request's remaining rounds", registry=r)
         self.auto_rows = Counter("ssd_auto_rows", "auto: sequence-rounds by the draft length the chooser picked",
                                  ["num_draft"], registry=r)
         self.auto_predicted = Gauge("ssd_auto_predicted_tokens_per_second", "auto: committed tokens per second "

@@ -222,6 +222,10 @@ def best_plan(acceptance: list[float], caps: list[int], cost: CostModel, behind:
 
 PRIOR_ROUNDS = 8.0
 
+# A probe of a draft far behind (see Chooser._catch_up_affordable) may cost at most this share of the
+# plain rounds left in its request.
+FAR_PROBE_SHARE = 0.1
+
 # A probe re-measures the acceptance of a request the chooser stopped drafting for; it is worth its
 # round only if some acceptance would make drafting for that request pay. This is about the best a
 # draft does (the default pair on code: 0.81-0.88 per token at K <= 4): when even it would not draft
@@ -273,9 +277,12 @@ class Chooser:
         # the chains pre-drafted at the longer length, a longer one misses them)
         self.hysteresis_down = hysteresis if hysteresis_down is None else hysteresis_down
         self.floor = floor              # draft at least this many tokens where the cap allows (worker rounds: 1)
-        # probe only drafts at most this far behind (default: the rounds since the last probe, which a
-        # draft that sat out plain rounds since then is; its catch-up is one batched draft forward)
-        self.probe_behind = probe_every if probe_behind is None else probe_behind
+        # probe only drafts at most this far behind (None: any, where `could_pay` holds with the
+        # catch-up charged; a limit of 16 made a lazy draft, behind by its whole prompt, unreachable:
+        # the request decoded plain to its end, and with nothing drafted the engine-wide acceptance
+        # that decides the next prefills never moved again)
+        self.probe_behind = probe_behind
+        self._probed: dict[int, int] = {}     # seq_id -> round of its last one-token probe
         # every this many rounds a plan that drafts runs one plain round instead: it keeps the target's
         # cost at the plain row count measured (a chooser that always drafts fits its cost line at
         # K+1 rows per request only and may overestimate a plain step). 0: never
@@ -318,12 +325,7 @@ class Chooser:
         if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * (1 + margin):
             new = old
         if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
-            idle = [b for b, (k, c) in enumerate(zip(new, caps)) if k == 0 and c > 0 and behind[b] <= self.probe_behind]
-            if idle and self.could_pay(idle[0], acc, caps, behind, remaining):
-                new[idle[0]] = 1
-                self.probes += 1
-            elif idle:
-                self.probes_skipped += 1
+            self._probe(seq_ids, new, acc, caps, behind, remaining)
         self.last.update(zip(seq_ids, new))     # a plain probe below does not become the plan to keep
         n = self.plain_probe_every
         if n and self.rounds % n == self.plain_probe_at and self.rounds % self.probe_every and any(new):
@@ -333,6 +335,35 @@ class Chooser:
         catch = sum(t for t, k in zip(behind, new) if k > 0)
         self.predicted_s = self.cost.time_s(new, catch, acc) * (self.cost.unit or 0.0)
         return new
+
+    def _probe(self, seq_ids: list[int], plan: list[int], acc: list[float], caps: list[int], behind: list[int],
+               remaining: list[int] | None) -> None:
+        """One draft token for the sequence at 0 whose turn it is (the one considered longest ago, so one
+        request does not take every probe of a batch), if a probe could switch it to drafting
+        (`could_pay`; one such check per probe round: it costs a best_plan)."""
+        limit = self.probe_behind
+        idle = [b for b, (k, c) in enumerate(zip(plan, caps))
+                if k == 0 and c > 0 and (limit is None or behind[b] <= limit)]
+        if not idle:
+            return
+        b = min(idle, key=lambda i: self._probed.get(seq_ids[i], -1))
+        self._probed[seq_ids[b]] = self.rounds
+        if self.could_pay(b, acc, caps, behind, remaining) and self._catch_up_affordable(b, len(plan), behind, remaining):
+            plan[b] = 1
+            self.probes += 1
+        else:
+            self.probes_skipped += 1
+
+    def _catch_up_affordable(self, b: int, rows: int, behind: list[int], remaining: list[int] | None) -> bool:
+        """A probe of a draft further behind than the rounds between probes (a lazy draft that never took
+        its prompt) pays a long catch-up before it learns anything; where the request then turns out not
+        to pay, that is lost. It is run only where it costs at most FAR_PROBE_SHARE of the plain rounds
+        the rest of the request takes, so a lost far probe costs at most that."""
+        if behind[b] <= self.probe_every:
+            return True
+        left = remaining[b] if remaining else 1
+        catch = self.cost.draft_s([1], behind[b]) - self.cost.draft_s([1])
+        return catch <= FAR_PROBE_SHARE * left * self.cost.target_s(rows)
 
     def could_pay(self, b: int, acc: list[float], caps: list[int], behind: list[int],
                   remaining: list[int] | None) -> bool:
@@ -361,3 +392,4 @@ class Chooser:
     def forget(self, seq_id: int) -> None:
         self.per_seq.pop(seq_id, None)
         self.last.pop(seq_id, None)
+        self._probed.pop(seq_id, None)

@@ -50,7 +50,8 @@ class SpecCounters:
     plain_rounds: int = 0           # rounds it ran without any draft (a plain target step)
     eager_draft_prefills: int = 0   # requests whose in-process draft it prefilled with the prompt (else lazy)
     probes: int = 0                 # one-token drafts for a request it stopped drafting for (re-measure it)
-    probes_skipped: int = 0         # probes not run: no acceptance would have made drafting for it pay
+    probes_skipped: int = 0         # probes not run: no acceptance would have made drafting for it pay,
+                                    # or its draft's catch-up would cost too much (Chooser._catch_up_affordable)
     rows_by_num_draft: list[int] = field(default_factory=list)   # [j]: sequence-rounds given j draft tokens
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0
