@@ -298,3 +298,25 @@ def test_the_target_line_keeps_its_row_cost_while_the_row_count_does_not_change(
     assert line.predict([1.0, 3]) == pytest.approx(2.0)
     line.set([0.5, 0.05])
     assert (line.a, line.rho) == (0.5, pytest.approx(0.1))
+
+
+@pytest.mark.parametrize("unit_rounds", [None, 1])
+def test_a_cold_first_forward_does_not_set_the_cost_models_unit(monkeypatch, unit_rounds):
+    """auto_ssd's first worker round verified 2 rows in 1.05 s (a cold engine) where the next took
+    0.07-0.1 s. The unit now comes from the median of the first three forwards and the cold one is left
+    out, so the worker rounds' least-squares line learns the true costs. Control: the first forward
+    as the unit (as before): the prior, 10x too high, bends the line to a negative row cost."""
+    import ssd.speculation.chooser as chooser_mod
+    from ssd.speculation.worker_wait import WorkerWait
+
+    if unit_rounds is not None:
+        monkeypatch.setattr(chooser_mod, "UNIT_ROUNDS", unit_rounds)
+    m = CostModel(worker=WorkerWait())
+    rng = random.Random(0)
+    m.observe_target(2, 1.05)
+    for i in range(24):
+        rows = [2, 3, 4, 7][i % 4]
+        m.observe_target(rows, (0.07 + 0.008 * rows) * rng.uniform(0.97, 1.03))
+    got = [m.target_s(r) * m.unit for r in (2, 7)]
+    ok = got[1] > got[0] and all(g == pytest.approx(0.07 + 0.008 * r, rel=0.15) for g, r in zip(got, (2, 7)))
+    assert ok == (unit_rounds is None), got

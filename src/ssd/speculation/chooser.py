@@ -108,20 +108,28 @@ class TargetLine:
 
 
 CATCH_UP_PRIOR = 0.02      # a draft's catch-up per missed token, in units of a target forward (see CostModel)
+# The unit of a cost model: the median of its first UNIT_ROUNDS target forwards (per row count, by the
+# prior line); of those, one more than COLD_FACTOR times the unit is left out of the fit. An engine's
+# first forward can be cold: auto_ssd's first worker round verified 2 rows in 1.05 s in the equal
+# placement, where the next ones took 0.07-0.1 s; as the unit, it put the prior line 10x too high, and
+# the least-squares fit of worker rounds compromised with a negative row cost and asked for K = 6.
+UNIT_ROUNDS = 3
+COLD_FACTOR = 3.0
 
 
 class CostModel:
     """Target forward time a + b R; draft time c per step + d per row + e per catch-up token (a draft
-    that sat out plain rounds first feeds the tokens it missed). Fitted in units of the first measured
-    target forward (so the priors below are relative): extra rows cost 10% of a step, a draft step 30%,
-    a draft row 3%, a catch-up token 2% (catching up is one batched draft forward over the missed
-    tokens, like a prefill; a 10% prior kept auto from ever drafting for short answers, so the term
-    was never measured). With `worker` (SSD rounds of auto_ssd) drafting is instead the expected wait
-    for the draft worker (worker_wait.py)."""
+    that sat out plain rounds first feeds the tokens it missed). Fitted in units of a typical early
+    target forward (see UNIT_ROUNDS; so the priors below are relative): extra rows cost 10% of a step,
+    a draft step 30%, a draft row 3%, a catch-up token 2% (catching up is one batched draft forward over
+    the missed tokens, like a prefill; a 10% prior kept auto from ever drafting for short answers, so
+    the term was never measured). With `worker` (SSD rounds of auto_ssd) drafting is instead the
+    expected wait for the draft worker (worker_wait.py)."""
 
 
     def __init__(self, worker: WorkerWait | None = None):
         self.unit: float | None = None
+        self._first: list[tuple[int, float]] = []      # target forwards seen before the unit is set
         # the level/row split for the in-process rounds, where it was measured to help (equal placement,
         # batch 1); SSD rounds keep the least-squares line: with TargetLine there, auto_ssd ran 0.88x
         # SSD k=2 on HumanEval in the paper placement against 0.97x with the line, in a same-process
@@ -148,7 +156,16 @@ class CostModel:
 
     def observe_target(self, rows: int, seconds: float) -> None:
         if self.unit is None:
-            self.unit = max(seconds, 1e-6) / self.target_s(rows)
+            self._first.append((rows, max(seconds, 1e-6)))
+            if len(self._first) < UNIT_ROUNDS:
+                return
+            ratios = [s / self.target_s(r) for r, s in self._first]
+            self.unit = sorted(ratios)[len(ratios) // 2]
+            first, self._first = self._first, []
+            for (r, s), q in zip(first, ratios):
+                if q <= COLD_FACTOR * self.unit:
+                    self.target.update([1.0, r], s / self.unit)
+            return
         self.target.update([1.0, rows], seconds / self.unit)
 
     def observe_draft(self, num_draft: list[int], seconds: float, catch_up: int = 0) -> None:
