@@ -149,7 +149,7 @@ class CostModel:
         return max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) if steps else 0.0
 
     def time_s(self, num_draft: list[int], catch_up: float = 0.0, acceptance: list[float] | None = None) -> float:
-        """Predicted time (in units of the first target forward) of a round with this plan, whose
+        """Predicted time (in units of the cost model, see UNIT_ROUNDS) of a round with this plan, whose
         drafts first feed `catch_up` tokens they missed (`acceptance`: per sequence, for a worker's
         cache hits)."""
         return self.draft_s(num_draft, catch_up, acceptance) + self.target_s(sum(k + 1 for k in num_draft))

@@ -19,7 +19,7 @@ in which the target had the worker's cores) also waits for the worker to prefill
 `retake_s` per context token, measured from such rounds (the round's expected miss wait taken off).
 
 All these quantities are measured from the rounds auto runs anyway (running means that turn into
-exponential averages), starting from priors in units of the first target forward.
+exponential averages), starting from priors in units of the cost model (see chooser.UNIT_ROUNDS).
 """
 from __future__ import annotations
 
