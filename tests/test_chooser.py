@@ -209,7 +209,7 @@ def test_a_lazy_draft_behind_by_its_whole_prompt_is_probed_and_drafting_resumes(
             behind += 1
         drafted.append(k)
         left -= k + 1
-    assert ch.probes >= (1 if probe_behind is None else 0)
+    assert (ch.probes > 0) == (probe_behind is None)
     if probe_behind is None:
         assert sum(k > 0 for k in drafted[-40:]) >= 30      # drafting for it by the end
     else:
@@ -302,8 +302,8 @@ def test_the_target_line_keeps_its_row_cost_while_the_row_count_does_not_change(
 
 @pytest.mark.parametrize("unit_rounds", [None, 1])
 def test_a_cold_first_forward_does_not_set_the_cost_models_unit(monkeypatch, unit_rounds):
-    """auto_ssd's first worker round verified 2 rows in 1.05 s (a cold engine) where the next took
-    0.07-0.1 s. The unit now comes from the median of the first three forwards and the cold one is left
+    """auto_ssd's first worker round verified 2 rows in about 1.26 s (a cold engine) where the
+    following ones took about 0.1 s. The unit now comes from the median of the first three forwards and the cold one is left
     out, so the worker rounds' least-squares line learns the true costs. Control: the first forward
     as the unit (as before): the prior, 10x too high, bends the line to a negative row cost."""
     import ssd.speculation.chooser as chooser_mod
@@ -313,7 +313,7 @@ def test_a_cold_first_forward_does_not_set_the_cost_models_unit(monkeypatch, uni
         monkeypatch.setattr(chooser_mod, "UNIT_ROUNDS", unit_rounds)
     m = CostModel(worker=WorkerWait())
     rng = random.Random(0)
-    m.observe_target(2, 1.05)
+    m.observe_target(2, 1.26)
     for i in range(24):
         rows = [2, 3, 4, 7][i % 4]
         m.observe_target(rows, (0.07 + 0.008 * rows) * rng.uniform(0.97, 1.03))

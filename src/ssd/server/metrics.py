@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ssd.engine.sequence import SpecStats
+from ssd.speculation.chooser import FAR_PROBE_SHARE
 
 STATUSES = ("success", "rejected", "aborted", "error")
 
@@ -85,7 +86,8 @@ class ServerMetrics:
                                    "stopped drafting for, to re-measure its acceptance", registry=r)
         self.auto_probes_skipped = Counter("ssd_auto_probes_skipped", "auto: such probes not run, because no "
                                            "acceptance would have made drafting for that request pay, or its draft's catch-up "
-                                           "would cost more than 10% of the request's remaining rounds", registry=r)
+                                           f"would cost more than {FAR_PROBE_SHARE:.0%} of the request's remaining "
+                                           "rounds", registry=r)
         self.auto_rows = Counter("ssd_auto_rows", "auto: sequence-rounds by the draft length the chooser picked",
                                  ["num_draft"], registry=r)
         self.auto_predicted = Gauge("ssd_auto_predicted_tokens_per_second", "auto: committed tokens per second "

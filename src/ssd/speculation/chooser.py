@@ -110,8 +110,8 @@ class TargetLine:
 CATCH_UP_PRIOR = 0.02      # a draft's catch-up per missed token, in units of a target forward (see CostModel)
 # The unit of a cost model: the median of its first UNIT_ROUNDS target forwards (per row count, by the
 # prior line); of those, one more than COLD_FACTOR times the unit is left out of the fit. An engine's
-# first forward can be cold: auto_ssd's first worker round verified 2 rows in 1.05 s in the equal
-# placement, where the next ones took 0.07-0.1 s; as the unit, it put the prior line 10x too high, and
+# first forward can be cold: auto_ssd's first worker round verified 2 rows in about 1.26 s in the
+# equal placement, where the following ones took about 0.1 s; as the unit, it put the prior line 10x too high, and
 # the least-squares fit of worker rounds compromised with a negative row cost and asked for K = 6.
 UNIT_ROUNDS = 3
 COLD_FACTOR = 3.0
