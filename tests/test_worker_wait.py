@@ -182,7 +182,7 @@ def _step(apart: bool):
 
     wc = Chooser(4, cost=CostModel(worker=WorkerWait()), floor=1, plain_probe_every=0)
     wc.cost.unit = 0.2
-    for _ in range(4):
+    for _ in range(5):
         wc.cost.worker.observe_round(False, 2, 0.6)
     local = Chooser(4, shares_acceptance=wc)
     local.cost.unit = 0.12
@@ -227,3 +227,25 @@ def test_where_local_rounds_take_the_cores_back_the_local_regime_is_predicted_fr
     apart = _step(apart=True)
     apart.chooser.cost.unit = None
     assert SpeculativeStep.predicted_rate(apart, seqs, "local") is not None
+
+
+def test_the_worker_regime_is_predicted_after_a_stint_that_mostly_hit():
+    """A first worker stint of 16 rounds (three of them set the cost model's unit) that hit the
+    speculation cache 80% of the time saw two misses: the worker regime is predicted after it, so its
+    next visit can be pruned. The control: counting misses (the old criterion) leaves it unpredicted,
+    and its probe 128 rounds later ran at half the local regime's rate (equal placement, AVX-512 host)."""
+    from ssd.speculation.step import SpeculativeStep
+
+    step = _step(apart=False)
+    wait = step.worker_chooser.cost.worker = WorkerWait()
+    for i in range(13):
+        wait.observe_round(i % 6 != 5, 2, 0.05 if i % 6 != 5 else 0.6)
+    assert wait.per_token_s.n < 5                              # the control: two misses after the prior's two
+    got = SpeculativeStep.predicted_rate(step, [_Seq(0, 100, False)], "worker")
+    assert got is not None and got > 0
+    assert SpeculativeStep.predicted_rate(step, [_Seq(0, 100, False)], "worker") == got
+    fresh = _step(apart=False)
+    fresh.worker_chooser.cost.worker = WorkerWait()
+    for _ in range(4):
+        fresh.worker_chooser.cost.worker.observe_round(True, 2, 0.05)
+    assert SpeculativeStep.predicted_rate(fresh, [_Seq(0, 100, False)], "worker") is None   # 4 rounds: not yet

@@ -176,9 +176,8 @@ class SpeculativeStep:
         remaining = [min(s.remaining_tokens(), dwell) for s in seqs]
         cost = self.worker_chooser.cost
         wait = cost.worker
-        measured = cost.unit is not None and wait.per_token_s.n >= 5
         if regime == WORKER:
-            if not measured:
+            if cost.unit is None or not wait.measured():
                 return None
             plan = best_plan(acc, caps, cost, floor=1)
             tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
@@ -187,11 +186,12 @@ class SpeculativeStep:
         behind = self.proposer.behind(seqs)
         local = self.chooser.cost
         if self.worker_prefills_always:
-            if not measured:
+            # the in-process draft's step is priced as the worker's miss wait per token: that needs misses
+            if cost.unit is None or wait.per_token_s.n < 5:
                 return None
             # a lazy draft that sat out the worker's rounds first catches up (its whole prompt, if it was
             # never prefilled)
-            per_token = local.draft.w[2].item() * local.unit / cost.unit if local.unit else CATCH_UP_PRIOR
+            per_token = local.draft_coefficients()[2] * local.unit / cost.unit if local.unit else CATCH_UP_PRIOR
             cost = local_cost(cost, wait.per_token_s.value, max(per_token, 0.0))
         elif local.unit is None:
             return None
@@ -220,10 +220,11 @@ class SpeculativeStep:
             left = self.regime.probe_rounds_left() if self.regime is not None and local else None
             if left is not None:     # a probe of the local regime: a catch-up must pay off within it
                 remaining = [min(r, left) for r in remaining]
-            probes = chooser.probes, chooser.probes_skipped
+            probes = chooser.probes, chooser.probes_skipped, chooser.explorations
             num_draft = chooser.plan([s.seq_id for s in seqs], caps, behind, remaining)
             self.counters.probes += chooser.probes - probes[0]
             self.counters.probes_skipped += chooser.probes_skipped - probes[1]
+            self.counters.explorations += chooser.explorations - probes[2]
             if local and not any(num_draft):
                 return self._plain_round(seqs)
         # the worker first prefills the contexts it does not hold

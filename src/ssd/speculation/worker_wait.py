@@ -55,6 +55,14 @@ class WorkerWait:
         self.h_full, self.h_part = Mean(h_full), Mean(h_part)
         self.hit_s, self.per_token_s = Mean(hit_s), Mean(per_token_s)
         self.retake_s = Mean(retake_s, weight=1.0)
+        self.rounds = 0          # worker rounds observed (hits and misses; not retakes)
+
+    def measured(self, min_rounds: int = 5) -> bool:
+        """Whether enough worker rounds were observed to predict the worker regime. Counted in rounds, not
+        in misses: with a hit rate of 0.8 a first 16-round stint (its first rounds set the cost model's
+        unit) saw two or three misses, so a count of misses left the worker unpredicted after it; its next
+        visit, 128 rounds on, then ran although the worker had measured half the local regime's rate."""
+        return self.rounds >= min_rounds
 
     def expected(self, acceptance: list[float], num_draft: list[int]) -> float:
         k = max(num_draft, default=0)
@@ -72,6 +80,7 @@ class WorkerWait:
         the worker first took sequences back (their whole context to prefill) are not for this."""
         if k <= 0:
             return
+        self.rounds += 1
         if all_hit:
             self.hit_s.add(wait)
         else:
