@@ -206,16 +206,35 @@ def run_predicted(policy: RegimePolicy, rates: dict[str, float], guesses: dict[s
     return out
 
 
-@pytest.mark.parametrize("guess, visits", [
-    (None, True),       # the control: no prediction, the local regime is measured and probed
-    (17.0, True),       # predicted within the margin (10%) of the worker's measured 18: still probed
-    (12.0, False),      # predicted clearly slower: never visited (counted as pruned)
+@pytest.mark.parametrize("guess, visits, pruned", [
+    (None, True, False),    # the control: no prediction, the local regime is measured and probed
+    (17.0, True, True),     # predicted within the margin (10%) of the worker's measured 18: visited; it
+                            # measured 10, so later predictions are scaled by 10 / 17 and pruned
+    (12.0, False, True),    # predicted clearly slower: never visited (counted as pruned)
 ])
-def test_a_regime_predicted_clearly_slower_is_not_visited(guess, visits):
+def test_a_regime_predicted_clearly_slower_is_not_visited(guess, visits, pruned):
     p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
-    seq = run_predicted(p, {WORKER: 18.0, LOCAL: 10.0}, {LOCAL: guess}, 300)
+    seq = run_predicted(p, {WORKER: 18.0, LOCAL: 10.0}, {LOCAL: guess, WORKER: 18.0}, 300)
     assert (LOCAL in seq) == visits
-    assert (p.pruned > 0) == (not visits)
+    assert (p.pruned > 0) == pruned
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_a_regime_that_measured_below_its_prediction_is_predicted_lower_after(monkeypatch, calibrate):
+    """The equal placement on an AVX-512 host: the first worker stint measured 8.4 tok/s where the worker
+    rounds' fits predicted 13; later predictions of 16-19 were within the prune margin of the local
+    regime's 21, so the worker was probed again (another stint at 0.4x). Scaled by how its stint
+    measured against the prediction, the probes are pruned. The control (no calibration) probes."""
+    import ssd.speculation.regime as regime_mod
+
+    if not calibrate:
+        monkeypatch.setattr(regime_mod, "CALIBRATION_RANGE", (1.0, 1.0))
+    p = RegimePolicy(dwell=16, probe_every=128, start=WORKER)
+    seq = run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 13.3, LOCAL: 21.0}, 600)
+    assert seq[:16] == [WORKER] * 16
+    assert p.calibration[WORKER] == pytest.approx(8.4 / 13.3 if calibrate else 1.0)
+    p2 = run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 19.4, LOCAL: 21.0}, 600)
+    assert (WORKER in seq[16:] + p2) == (not calibrate)
 
 
 def test_a_pruned_probe_backs_off_and_a_better_prediction_lets_it_run():
