@@ -13,7 +13,7 @@ def model(a=1.0, b=0.1, c=0.3, d=0.03, e=0.1) -> CostModel:
     m = CostModel()
     m.unit = 1.0
     m.target.set([a, b])
-    m.draft.set([c, d, e])
+    m.set_draft(c, d, e)
     return m
 
 
@@ -136,6 +136,7 @@ def test_cost_model_and_acceptance_learn_from_observations():
 def test_would_speculate_follows_the_cost_model_and_the_batch_size():
     """auto prefills its in-process draft with the prompt only when a batch this size would draft."""
     ch = Chooser(k=4)
+    ch.global_acc = AcceptanceEstimate(0.6, strength=1e6)      # measured well (no room for optimism)
     ch.cost = model(b=0.02, c=0.1, d=0.01)            # flat verify, cheap draft: speculate
     assert ch.would_speculate(1) and ch.would_speculate(8)
     ch.cost = model(b=1.0)                             # every row costs a whole step: never
@@ -194,8 +195,9 @@ def test_a_lazy_draft_behind_by_its_whole_prompt_is_probed_and_drafting_resumes(
     """A request admitted while the engine-wide acceptance said drafting would not pay keeps a lazy draft,
     300 tokens (its prompt) behind. The request itself accepts every draft token. Probes reach it, pay
     the catch-up once, and the chooser drafts for it from then on. Control: probes limited to drafts at
-    most 16 tokens behind (as before) never reach it, and it decodes plain to its end."""
-    ch = Chooser(k=4, probe_behind=probe_behind)
+    most 16 tokens behind (as before) never reach it, and it decodes plain to its end. (Without
+    exploration, which would draft for it first: see the exploration tests.)"""
+    ch = Chooser(k=4, probe_behind=probe_behind, explore_z=0)
     ch.cost = measured_2_thread_cost()
     ch.global_acc = AcceptanceEstimate(0.4, strength=4.0)
     assert not ch.would_speculate(1)                       # so the draft was left lazy at prefill
@@ -252,12 +254,13 @@ def test_the_requests_of_a_batch_take_turns_at_probes():
 def test_one_early_rejection_does_not_end_drafting_for_a_request(monkeypatch, prior_rounds, drafts_after):
     """The cost model auto measured for the default pair on 2 threads (draft step 34% of a target
     step): with the request's prior worth 8 rounds, one rejection in its first round leaves drafting
-    on; the old prior (2 rounds, the control) turned it off for good, seen on HumanEval at batch 1."""
+    on; the old prior (2 rounds, the control) turned it off for good, seen on HumanEval at batch 1.
+    (The prior alone, without exploration: see the exploration tests.)"""
     import ssd.speculation.chooser as chooser_mod
 
     if prior_rounds is not None:
         monkeypatch.setattr(chooser_mod, "PRIOR_ROUNDS", prior_rounds)
-    ch = Chooser(k=3)
+    ch = Chooser(k=3, explore_z=0)
     ch.cost = model(a=1.0, b=0.1, c=0.336, d=0.066, e=0.02)
     first = ch.plan([1], [3])
     assert first[0] >= 1
@@ -320,3 +323,63 @@ def test_a_cold_first_forward_does_not_set_the_cost_models_unit(monkeypatch, uni
     got = [m.target_s(r) * m.unit for r in (2, 7)]
     ok = got[1] > got[0] and all(g == pytest.approx(0.07 + 0.008 * r, rel=0.15) for g, r in zip(got, (2, 7)))
     assert ok == (unit_rounds is None), got
+
+
+@pytest.mark.parametrize("z", [1.0, 0.0])
+def test_a_request_measured_little_is_drafted_for_while_drafting_may_pay(z):
+    """With the measured 2-thread costs, one draft token pays from about 0.46 acceptance. A request
+    estimated at 0.35 on little evidence (6 rounds) may still accept 0.53 (one standard deviation up):
+    it is drafted for, so it gets measured. The same estimate on much evidence runs plain. The control
+    (no exploration) runs both plain."""
+    ch = Chooser(k=4, explore_z=z)
+    ch.cost = measured_2_thread_cost()
+    ch.per_seq[1] = AcceptanceEstimate(0.35, strength=6.0)
+    ch.per_seq[2] = AcceptanceEstimate(0.35, strength=1e6)
+    assert best_plan([0.35], [4], ch.cost) == [0]
+    assert ch.plan([1], [4], behind=[1], remaining=[60]) == ([1] if z else [0])
+    assert ch.plan([2], [4], behind=[1], remaining=[60]) == [0]
+    assert ch.explorations == (1 if z else 0)
+
+
+@pytest.mark.parametrize("z", [1.0, 0.0])
+def test_exploration_finds_a_request_that_accepts_and_leaves_one_that_does_not(z):
+    """Two requests whose estimates fell to 0.35 early (two rejections): one truly accepts 0.85 per
+    token, the other 0.2. With exploration the first is drafted for in most of its later rounds and the
+    second ends up plain (exploration stops once evidence shows drafting does not pay). The control,
+    without exploration, leaves the first plain but for a probe every 16 rounds, until two or three
+    probes have lifted its estimate."""
+    ch = Chooser(k=4, explore_z=z)
+    ch.cost = measured_2_thread_cost()
+    rng = random.Random(3)
+    truth = {1: 0.85, 2: 0.2}
+    drafted = {1: [], 2: []}
+    for i in truth:
+        ch.per_seq[i] = AcceptanceEstimate(0.35, strength=6.0)
+    for _ in range(200):
+        for i, a in truth.items():
+            k = ch.plan([i], [4], behind=[1], remaining=[100])[0]
+            n = 0
+            while n < k and rng.random() < a:
+                n += 1
+            ch._acc(i).observe(k, n)
+            drafted[i].append(k > 0)
+    early, late = sum(drafted[1][:40]), sum(drafted[2][-100:])
+    if z:       # late: the second drafts only at probes (every 16 rounds, which alternate between the two)
+        assert early >= 35 and late <= 13
+    else:
+        assert early <= 5
+
+
+@pytest.mark.parametrize("z", [1.0, 0.0])
+def test_a_fresh_engine_whose_first_rounds_accepted_badly_still_prefills_the_draft(z):
+    """A warm-up of 8 tokens that accepted 1 of 5 draft tokens left the engine-wide estimate at 0.37 on
+    little evidence: the next request's draft is still prefilled (drafting may pay at 0.52), where the
+    control left it lazy and the request ran plain to its end. On much evidence of 0.37 it is not."""
+    ch = Chooser(k=4, explore_z=z)
+    ch.cost = measured_2_thread_cost()
+    for n in (0, 0, 1, 0, 0):
+        ch.global_acc.observe(1, n, decay=0.99)
+    assert 0.3 < ch.global_acc.value < 0.45
+    assert ch.would_speculate(1) == bool(z)
+    ch.global_acc = AcceptanceEstimate(0.37, strength=1e6)
+    assert not ch.would_speculate(1)

@@ -88,6 +88,9 @@ class ServerMetrics:
                                            "acceptance would have made drafting for that request pay, or its draft's catch-up "
                                            f"would cost more than {FAR_PROBE_SHARE:.0%} of the request's remaining "
                                            "rounds", registry=r)
+        self.auto_explorations = Counter("ssd_auto_explorations", "auto: sequence-rounds given one draft token "
+                                         "because drafting would pay at an acceptance one standard deviation above "
+                                         "the request's estimate (a plain round measures nothing)", registry=r)
         self.auto_rows = Counter("ssd_auto_rows", "auto: sequence-rounds by the draft length the chooser picked",
                                  ["num_draft"], registry=r)
         self.auto_predicted = Gauge("ssd_auto_predicted_tokens_per_second", "auto: committed tokens per second "
@@ -194,6 +197,7 @@ class ServerMetrics:
             if n > 0:
                 self.auto_rows.labels(num_draft=str(j)).inc(n)
         for counter, n in ((self.auto_probes, delta.probes), (self.auto_probes_skipped, delta.probes_skipped),
+                           (self.auto_explorations, delta.explorations),
                            (self.auto_worker_rounds, delta.worker_rounds),
                            (self.auto_regime_switches, delta.regime_switches),
                            (self.auto_regime_pruned, delta.regime_probes_pruned),

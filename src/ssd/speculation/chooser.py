@@ -9,7 +9,8 @@ E(a_b, K_b) = (1 - a_b^(K_b+1)) / (1 - a_b) tokens in expectation. The chooser m
 sum_b E(a_b, K_b) / time(plan): first the best common K, then coordinate ascent per sequence. It
 keeps the previous plan unless the new one is predicted at least `hysteresis` faster, and now and
 then probes one draft token for a sequence it runs without drafts, so its acceptance stays measured
-(only where drafting could pay for it at all: see OPTIMISTIC_ACCEPTANCE).
+(only where drafting could pay for it at all: see OPTIMISTIC_ACCEPTANCE); a sequence whose estimate
+is still uncertain enough that drafting may pay is drafted for every round (see EXPLORE_Z).
 Everything is measured from the rounds the engine runs anyway: no extra forwards.
 
 Exactness does not depend on any of this: every plan is verified by the same exact rejection sampling.
@@ -123,8 +124,9 @@ class CostModel:
     target forward (see UNIT_ROUNDS; so the priors below are relative): extra rows cost 10% of a step,
     a draft step 30%, a draft row 3%, a catch-up token 2% (catching up is one batched draft forward over
     the missed tokens, like a prefill; a 10% prior kept auto from ever drafting for short answers, so
-    the term was never measured). With `worker` (SSD rounds of auto_ssd) drafting is instead the
-    expected wait for the draft worker (worker_wait.py)."""
+    the term was never measured). The draft's terms are fitted relative to the target line's current
+    level (see `level`), so they follow the machine's speed with it. With `worker` (SSD rounds of
+    auto_ssd) drafting is instead the expected wait for the draft worker (worker_wait.py)."""
 
 
     def __init__(self, worker: WorkerWait | None = None):
@@ -142,11 +144,33 @@ class CostModel:
     def target_s(self, rows: int) -> float:
         return max(self.target.predict([1.0, rows]), 1e-3)
 
+    def level(self) -> float:
+        """The machine's current speed as the target line's level measures it (in-process rounds; 1 in
+        SSD rounds). The in-process draft's costs are fitted relative to it: both models run on the same
+        cores, and the level is measured every round where the draft is measured only in rounds that
+        draft. Fitted in absolute units, a draft measured in a slow phase kept that price in the next
+        fast one (the target level fell to 0.6 of it), so drafting looked 1.5x dearer than it was,
+        auto ran plain rounds, and with nothing drafted the price never moved: a fresh engine ran 98% of
+        an MT-Bench set plain (equal placement, batch 1, AVX-512 host), where SD k=2 is 1.17x AR."""
+        return max(self.target.a, 1e-3) if isinstance(self.target, TargetLine) else 1.0
+
+    def set_draft(self, step: float, row: float, catch_up: float) -> None:
+        """The draft's costs per step, per row and per catch-up token, in units at the current level."""
+        lv = self.level()
+        self.draft.set([step / lv, row / lv, catch_up / lv])
+
+    def draft_coefficients(self) -> list[float]:
+        """(step, row, catch-up token) costs of the in-process draft at the current level."""
+        lv = self.level()
+        return [w * lv for w in self.draft.w.tolist()]
+
     def draft_s(self, num_draft: list[int], catch_up: float = 0.0, acceptance: list[float] | None = None) -> float:
         steps = max(num_draft, default=0)
         if self.worker is not None:
             return self.worker.expected(acceptance or [0.0] * len(num_draft), num_draft)
-        return max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) if steps else 0.0
+        if not steps:
+            return 0.0
+        return max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) * self.level()
 
     def time_s(self, num_draft: list[int], catch_up: float = 0.0, acceptance: list[float] | None = None) -> float:
         """Predicted time (in units of the cost model, see UNIT_ROUNDS) of a round with this plan, whose
@@ -170,7 +194,7 @@ class CostModel:
 
     def observe_draft(self, num_draft: list[int], seconds: float, catch_up: int = 0) -> None:
         if max(num_draft, default=0) and self.unit is not None and self.worker is None:
-            self.draft.update([max(num_draft), sum(num_draft), catch_up], seconds / self.unit)
+            self.draft.update([max(num_draft), sum(num_draft), catch_up], seconds / self.unit / self.level())
 
     def observe_wait(self, all_hit: bool, k: int, seconds: float) -> None:
         """A worker round's wait for its proposal (see WorkerWait.observe_round)."""
@@ -191,7 +215,7 @@ def local_cost(worker_rounds: CostModel, draft_step: float, catch_up: float = 0.
     m = CostModel()
     m.unit = worker_rounds.unit
     m.target.set(worker_rounds.target.w.tolist())
-    m.draft.set([draft_step, 0.0, catch_up])
+    m.set_draft(draft_step, 0.0, catch_up)
     return m
 
 
@@ -251,6 +275,14 @@ FAR_PROBE_SHARE = 0.1
 # step and an extra verify row every 16 rounds).
 OPTIMISTIC_ACCEPTANCE = 0.95
 
+# A request the plan leaves without drafts is drafted for (one token) while drafting would pay at its
+# acceptance EXPLORE_Z standard deviations up (AcceptanceEstimate.upper): a plain round measures nothing,
+# so a request whose estimate fell after two early rejections stayed plain for the rest of its answer,
+# re-measured only by a probe every 16 rounds (auto ran 36% of its MT-Bench rows plain in the equal
+# placement at batch 1, where SD k=2 was 1.17x AR). The loss of such a round is bounded by how close
+# drafting is to paying; with evidence the bound tightens and a request that does not pay stays plain.
+EXPLORE_Z = 1.0
+
 
 class AcceptanceEstimate:
     """Per-token acceptance of one request: accepted / (accepted + rejections), with a prior of
@@ -270,6 +302,12 @@ class AcceptanceEstimate:
     def value(self) -> float:
         return min(max(self.acc / max(self.acc + self.rej, 1e-9), 0.0), 0.999)
 
+    def upper(self, z: float) -> float:
+        """The estimate plus z standard deviations of a Beta posterior with these (decayed) counts: what
+        the request may still accept, given how little was measured."""
+        p, n = self.value, self.acc + self.rej
+        return min(p + z * math.sqrt(p * (1.0 - p) / (n + 1.0)), 0.999)
+
 
 def plain_probe_offset(every: int, probe_every: int) -> int:
     """The round (mod `every`) of the plain probe: a quarter into the cycle, moved by one where that
@@ -288,8 +326,10 @@ class Chooser:
 
     def __init__(self, k: int, hysteresis: float = 0.03, probe_every: int = 16, probe_behind: int | None = None,
                  cost: CostModel | None = None, shares_acceptance: "Chooser | None" = None,
-                 plain_probe_every: int = 32, floor: int = 0, hysteresis_down: float | None = None):
+                 plain_probe_every: int = 32, floor: int = 0, hysteresis_down: float | None = None,
+                 explore_z: float = EXPLORE_Z):
         self.k, self.hysteresis, self.probe_every = k, hysteresis, probe_every
+        self.explore_z = explore_z      # 0: no exploration (see EXPLORE_Z)
         # the margin a plan that only shortens drafts needs (worker rounds: a shorter ask is served from
         # the chains pre-drafted at the longer length, a longer one misses them)
         self.hysteresis_down = hysteresis if hysteresis_down is None else hysteresis_down
@@ -316,6 +356,7 @@ class Chooser:
         self.plain_probes = 0
         self.probes = 0                 # one-token probes run, and those skipped (drafting could not pay)
         self.probes_skipped = 0
+        self.explorations = 0           # sequence-rounds drafted for on an optimistic acceptance (EXPLORE_Z)
 
     def _acc(self, seq_id: int) -> AcceptanceEstimate:
         if seq_id not in self.per_seq:
@@ -341,6 +382,8 @@ class Chooser:
         margin = self.hysteresis_down if all(n <= o for n, o in zip(new, old)) else self.hysteresis
         if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * (1 + margin):
             new = old
+        if self.explore_z > 0:
+            self._explore(seq_ids, new, caps, behind, remaining)
         if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
             self._probe(seq_ids, new, acc, caps, behind, remaining)
         self.last.update(zip(seq_ids, new))     # a plain probe below does not become the plan to keep
@@ -352,6 +395,23 @@ class Chooser:
         catch = sum(t for t, k in zip(behind, new) if k > 0)
         self.predicted_s = self.cost.time_s(new, catch, acc) * (self.cost.unit or 0.0)
         return new
+
+    def _explore(self, seq_ids: list[int], plan: list[int], caps: list[int], behind: list[int],
+                 remaining: list[int] | None) -> None:
+        """One draft token for each sequence at 0 that the plan would draft for at its optimistic
+        acceptance (its batch mates as estimated, its catch-up charged; a draft far behind only where the
+        catch-up is affordable, as for a probe)."""
+        idle = [b for b, (k, c) in enumerate(zip(plan, caps)) if k == 0 and c > 0]
+        if not idle:
+            return
+        trial = self.acceptance(seq_ids)
+        for b in idle:
+            trial[b] = self._acc(seq_ids[b]).upper(self.explore_z)
+        hopeful = best_plan(trial, caps, self.cost, behind, remaining, floor=self.floor)
+        for b in idle:
+            if hopeful[b] > 0 and self._catch_up_affordable(b, len(plan), behind, remaining):
+                plan[b] = 1
+                self.explorations += 1
 
     def _probe(self, seq_ids: list[int], plan: list[int], acc: list[float], caps: list[int], behind: list[int],
                remaining: list[int] | None) -> None:
@@ -393,10 +453,14 @@ class Chooser:
     def would_speculate(self, rows: int) -> bool:
         """Whether a batch of `rows` new requests at the engine-wide acceptance, drafts caught up, would
         draft at all under the current cost model (auto: prefill the in-process draft with the prompt
-        then, as SD does, instead of catching it up in the first decode rounds)."""
+        then, as SD does, instead of catching it up in the first decode rounds). The acceptance is taken
+        EXPLORE_Z standard deviations up, as for exploration: a fresh engine whose first rounds (a
+        warm-up) accepted badly otherwise left the next request's draft lazy, and that request ran plain
+        to its end (its catch-up too dear to explore or probe)."""
         if rows < 1:
             return False
-        return any(best_plan([self.global_acc.value] * rows, [self.k] * rows, self.cost))
+        a = self.global_acc.upper(self.explore_z) if self.explore_z > 0 else self.global_acc.value
+        return any(best_plan([a] * rows, [self.k] * rows, self.cost))
 
     def observe(self, seq_ids: list[int], num_draft: list[int], accepted: list[int], draft_s: float,
                 target_s: float, caught_up: int = 0) -> None:

@@ -52,6 +52,8 @@ class SpecCounters:
     probes: int = 0                 # one-token drafts for a request it stopped drafting for (re-measure it)
     probes_skipped: int = 0         # probes not run: no acceptance would have made drafting for it pay,
                                     # or its draft's catch-up would cost too much (Chooser._catch_up_affordable)
+    explorations: int = 0           # sequence-rounds drafted for because drafting may pay at an acceptance one
+                                    # standard deviation above the estimate (chooser.EXPLORE_Z)
     rows_by_num_draft: list[int] = field(default_factory=list)   # [j]: sequence-rounds given j draft tokens
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0
@@ -128,6 +130,7 @@ class SpecSnapshot:
     eager_draft_prefills: int = 0
     probes: int = 0
     probes_skipped: int = 0
+    explorations: int = 0
     rows_by_num_draft: tuple[int, ...] = ()
     predicted_tokens: float = 0.0
     predicted_s: float = 0.0
@@ -182,6 +185,7 @@ class SpecSnapshot:
                     "auto_rows_by_num_draft": list(self.rows_by_num_draft),
                     "auto_eager_draft_prefills": self.eager_draft_prefills,
                     "auto_probes": self.probes, "auto_probes_skipped": self.probes_skipped,
+                    "auto_explorations": self.explorations,
                     "auto_predicted_tokens_per_s": per(self.predicted_tokens, self.predicted_s),
                     "auto_measured_tokens_per_s": per(self.committed_tokens, self.round_s)}
                    if self.rows_by_num_draft else {}),
