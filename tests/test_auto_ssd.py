@@ -246,11 +246,15 @@ def test_a_regime_that_measured_below_its_prediction_is_predicted_lower_after(mo
     if not calibrate:
         monkeypatch.setattr(regime_mod, "CALIBRATION_RANGE", (1.0, 1.0))
     p = RegimePolicy(dwell=16, probe_every=128, start=WORKER)
-    seq = run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 13.3, LOCAL: 21.0}, 600)
+    seq = run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 13.3, LOCAL: 21.0}, 17)
     assert seq[:16] == [WORKER] * 16
     assert p.calibration[WORKER] == pytest.approx(8.4 / 13.3 if calibrate else 1.0)
+    seq += run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 13.3, LOCAL: 21.0}, 583)
     p2 = run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 19.4, LOCAL: 21.0}, 600)
     assert (WORKER in seq[16:] + p2) == (not calibrate)
+    if calibrate:    # each skipped probe fades the calibration: a probe runs again within a few intervals
+        assert p.calibration[WORKER] > 8.4 / 13.3
+        assert WORKER in run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 19.4, LOCAL: 21.0}, 6000)
 
 
 def test_a_pruned_probe_backs_off_and_a_better_prediction_lets_it_run():

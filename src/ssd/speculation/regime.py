@@ -118,6 +118,11 @@ class RegimePolicy:
                 if theirs is not None or doubt:  # a probe skipped: as if run and lost (next one later)
                     self.seen[(other, b)] = self.rounds
                     self.interval[b] = min(2 * self.interval.get(b, self.probe_every), self.max_probe_every)
+                    # the calibration of a regime not measured since fades: halfway back to 1 per skipped
+                    # probe, so one cold or unlucky stint cannot keep a regime from ever being measured
+                    # again (a probe runs again within about five backed-off intervals)
+                    if other in self.calibration:
+                        self.calibration[other] = (1.0 + self.calibration[other]) / 2
             elif better or missing or stale:
                 if not better:
                     self._probing = b
