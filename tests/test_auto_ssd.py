@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ssd import LLM, SamplingParams
-from ssd.speculation.regime import LOCAL, WORKER, RegimePolicy, bucket, first_visit_rounds
+from ssd.speculation.regime import LOCAL, WORKER, RegimePolicy, bucket
 
 from ssd_local import random_chooser, random_regime
 
@@ -119,22 +119,6 @@ def test_measures_both_then_stays_with_the_faster():
     assert p.rate[(LOCAL, 0)] == pytest.approx(20.0) and p.rate[(WORKER, 0)] == pytest.approx(10.0)
     p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
     assert set(run(p, {WORKER: 20.0, LOCAL: 10.0}, 40)[8:]) == {WORKER}
-
-
-@pytest.mark.parametrize("first_dwell", [8, None])
-def test_first_visits_run_half_a_stint_where_the_worker_takes_the_targets_cores(first_dwell):
-    """Equal placement: a first worker visit that loses runs at about half the local regime's rate, so
-    each regime's first stint at a batch-size bucket is 8 rounds; later stints (and a regime measured
-    at this bucket before) 16. The control: every stint 16 rounds."""
-    p = RegimePolicy(dwell=16, probe_every=128, start=WORKER, first_dwell=first_dwell)
-    seq = run(p, {WORKER: 10.0, LOCAL: 20.0}, 200)
-    first = first_dwell or 16
-    assert seq[:first] == [WORKER] * first and seq[first] == LOCAL
-    assert seq[first:2 * first] == [LOCAL] * first
-    probe = seq.index(WORKER, 2 * first)                    # the probe of a measured regime: a full stint
-    assert seq[probe:probe + 16] == [WORKER] * 16 and seq[probe + 16] == LOCAL
-    assert first_visit_rounds(16, (1, 2)) == 8 and first_visit_rounds(16, None) == 16
-    assert first_visit_rounds(16, (1, 1)) == 16              # the worker on cores of its own
 
 
 def test_hysteresis_keeps_a_regime_that_is_barely_slower():

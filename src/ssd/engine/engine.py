@@ -80,10 +80,9 @@ class LLMEngine:
             self.step_impl.max_spec_batch = spec_max_batch
             self.step_impl.batch_rows = _weak_call(self._decode_rows, default=0)
             if mode == "auto" and draft_client is not None:     # auto_ssd: SSD stints next to local ones
-                from ssd.speculation.regime import RegimePolicy, first_visit_rounds
+                from ssd.speculation.regime import RegimePolicy
 
-                policy = RegimePolicy(first_dwell=first_visit_rounds(16, thread_split))
-                self.step_impl.add_worker(WorkerProposer(draft_client, self.spec_counters), policy, thread_split)
+                self.step_impl.add_worker(WorkerProposer(draft_client, self.spec_counters), RegimePolicy(), thread_split)
             lookahead = k + 1
         else:
             raise ValueError(f"unknown mode {mode!r}; choose ar, sd, ssd or auto")

@@ -4,8 +4,7 @@ SD with per-sequence K chosen by `chooser.py`, the target using every core) (doc
 
 The two regimes cannot be compared by a cost model fitted in one of them (SSD's rate depends on
 cache hits, the worker's slack and on the target having fewer cores), so both are measured: a
-regime runs for a stint of `dwell` rounds (`first_dwell` for its first stint at a batch-size bucket),
-and a stint's rate (committed tokens / its wall time,
+regime runs for a stint of `dwell` rounds, and a stint's rate (committed tokens / its wall time,
 switching costs included: the worker catching up, the first rounds with nothing pre-drafted) updates
 that regime's estimate for the batch-size bucket it ran at. After a stint the policy switches when
 the other regime is estimated `hysteresis` faster, or when its estimate is missing or older than
@@ -37,17 +36,6 @@ LOCAL, WORKER = "local", "worker"
 CALIBRATION_RANGE = (0.5, 1.5)
 
 
-def first_visit_rounds(dwell: int, thread_split: tuple[int, int] | None) -> int:
-    """Rounds of a regime's first stint at a batch-size bucket. Where the worker's rounds take half the
-    target's cores (the equal placement: `thread_split` = target threads in worker rounds, in local
-    ones), a first worker visit that loses costs much (SSD ran at 0.5-0.6x SD and 0.5x AR there, AVX-512
-    host), so first visits run half a stint: enough rounds to measure, each stint's switch costs
-    included. Where the worker has cores of its own, a full stint."""
-    if thread_split is None or thread_split[0] >= thread_split[1]:
-        return dwell
-    return max(1, dwell // 2)
-
-
 def bucket(batch_size: int) -> int:
     """Batch sizes whose regimes compare alike: 1, 2, 3-4, 5-8, 9-16, ..."""
     return max(batch_size - 1, 0).bit_length()
@@ -55,16 +43,11 @@ def bucket(batch_size: int) -> int:
 
 class RegimePolicy:
     def __init__(self, dwell: int = 16, probe_every: int = 128, hysteresis: float = 0.05, alpha: float = 0.5,
-                 start: str = WORKER, max_probe_every: int = 1024, prune: float = 0.1,
-                 first_dwell: int | None = None):
+                 start: str = WORKER, max_probe_every: int = 1024, prune: float = 0.1):
         if dwell < 1 or probe_every < dwell or max_probe_every < probe_every:
             raise ValueError("dwell >= 1 and dwell <= probe_every <= max_probe_every are required")
         self.dwell, self.probe_every, self.hysteresis, self.alpha = dwell, probe_every, hysteresis, alpha
         self.max_probe_every = max_probe_every
-        # a regime's first stint at a batch-size bucket (none measured there yet) runs this many rounds:
-        # shorter where a visit that loses is dear (see SpeculativeStep.add_worker)
-        self.first_dwell = dwell if first_dwell is None else max(1, min(first_dwell, dwell))
-        self._stint_len = self.first_dwell              # rounds of the current stint
         self.interval: dict[int, int] = {}               # bucket -> rounds between probes (backs off)
         self._probing: int | None = None                 # bucket of the probe stint being run, if any
         self.current = start
@@ -92,10 +75,9 @@ class RegimePolicy:
         """The regime of the next round. predict(regime): a model's tokens/s for that regime at this
         batch, or None (then only measurements decide)."""
         self.rounds += 1
-        if self.enabled and self._stint >= self._stint_len:
+        if self.enabled and self._stint >= self.dwell:
             self._calibrate(predict)
             self._close_stint()
-            self._stint_len = self.dwell
             other = LOCAL if self.current == WORKER else WORKER
             b = bucket(batch_size)
             mine, theirs = self.rate.get((self.current, b)), self.rate.get((other, b))
@@ -128,8 +110,6 @@ class RegimePolicy:
                     self._probing = b
                 self.current = other
                 self.switches += 1
-                if (other, b) not in self.rate:
-                    self._stint_len = self.first_dwell
         return self.current
 
     def _worker_lost_below(self, b: int) -> bool:
@@ -175,7 +155,7 @@ class RegimePolicy:
     def probe_rounds_left(self) -> int | None:
         """Rounds left in the current stint if it is a probe (it will most likely be left after them),
         else None: a probe should not invest in what pays only later (the local draft's catch-up)."""
-        return None if self._probing is None else max(self._stint_len - self._stint, 1)
+        return None if self._probing is None else max(self.dwell - self._stint, 1)
 
     def observe(self, batch_size: int, tokens: int, seconds: float) -> None:
         """The round just run (in `self.current`) committed `tokens` in `seconds`."""
