@@ -232,13 +232,23 @@ def test_a_regime_that_measured_below_its_prediction_is_predicted_lower_after(mo
     p = RegimePolicy(dwell=16, probe_every=128, start=WORKER)
     seq = run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 13.3, LOCAL: 21.0}, 17)
     assert seq[:16] == [WORKER] * 16
-    assert p.calibration[WORKER] == pytest.approx(8.4 / 13.3 if calibrate else 1.0)
+    assert p.calibration[(WORKER, 0)] == pytest.approx(8.4 / 13.3 if calibrate else 1.0)
     seq += run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 13.3, LOCAL: 21.0}, 583)
     p2 = run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 19.4, LOCAL: 21.0}, 600)
     assert (WORKER in seq[16:] + p2) == (not calibrate)
     if calibrate:    # each skipped probe fades the calibration: a probe runs again within a few intervals
-        assert p.calibration[WORKER] > 8.4 / 13.3
+        assert p.calibration[(WORKER, 0)] > 8.4 / 13.3
         assert WORKER in run_predicted(p, {WORKER: 8.4, LOCAL: 21.0}, {WORKER: 19.4, LOCAL: 21.0}, 6000)
+
+
+def test_a_regimes_calibration_holds_for_the_batch_size_it_was_measured_at():
+    """Local visits that measured 0.6 of their prediction at batch 1 say nothing of batch 4: there the
+    local regime (predicted 10% faster than the worker measures) is still visited."""
+    p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
+    run_predicted(p, {WORKER: 20.0, LOCAL: 12.0}, {WORKER: 20.0, LOCAL: 20.0}, 40)       # batch 1
+    assert p.calibration[(LOCAL, 0)] == pytest.approx(0.6)
+    seq = run_predicted(p, {WORKER: 20.0, LOCAL: 24.0}, {WORKER: 20.0, LOCAL: 22.0}, 200, batch=4)
+    assert LOCAL in seq
 
 
 def test_a_pruned_probe_backs_off_and_a_better_prediction_lets_it_run():

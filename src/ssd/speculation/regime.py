@@ -17,7 +17,8 @@ from the fits of the rounds it ran, see SpeculativeStep.predicted_rate), a probe
 skipped when that prediction is `prune` short of the current regime's measured rate; a skipped probe
 backs off like a lost one (`pruned` counts the stint ends at which a visit was skipped). The
 prediction is scaled by how the regime's past stints measured against their predictions
-(`calibration`): a visit pays switching costs the model does not see. With
+(`calibration`, per regime and batch-size bucket): a visit pays switching costs the model does not
+see. With
 `await_prediction` (the worker on cores of its own: one model predicts both regimes) a first visit
 waits for such a prediction while there is none yet, for at most `probe_every` rounds (`deferred`
 counts the stint ends it waited at): without that, the first visit ran before the model had measured
@@ -64,7 +65,10 @@ class RegimePolicy:
         self.deferred = 0                # stint ends at which a first visit waited (for a prediction, or
                                          # because the worker lost at a smaller batch)
         self.await_prediction = True     # a first visit waits for the caller's model (see _await_prediction)
-        self.calibration: dict[str, float] = {}          # regime -> measured / predicted rate of its stints
+        # (regime, bucket) -> measured / predicted rate of its stints there (per bucket: what the model
+        # misses differs with the batch size; one dict for all let local visits at batch 1 prune the
+        # local regime at batch 4 in the paper placement, where AR was best)
+        self.calibration: dict[tuple[str, int], float] = {}
 
     def disable(self) -> None:
         """The worker failed: every later round is local."""
@@ -95,7 +99,7 @@ class RegimePolicy:
             stale = self.rounds - self.seen.get((other, b), -10**9) > self.interval.get(b, self.probe_every)
             if not better and (missing and self._await_prediction(predict, other) or doubt and not stale):
                 self.deferred += 1
-            elif not better and (missing or stale) and self._predicted_slower(predict, other, mine):
+            elif not better and (missing or stale) and self._predicted_slower(predict, other, mine, b):
                 self.pruned += 1
                 if theirs is not None or doubt:  # a probe skipped: as if run and lost (next one later)
                     self.seen[(other, b)] = self.rounds
@@ -103,8 +107,8 @@ class RegimePolicy:
                     # the calibration of a regime not measured since fades: halfway back to 1 per skipped
                     # probe, so one cold or unlucky stint cannot keep a regime from ever being measured
                     # again (a probe runs again within about five backed-off intervals)
-                    if other in self.calibration:
-                        self.calibration[other] = (1.0 + self.calibration[other]) / 2
+                    if (other, b) in self.calibration:
+                        self.calibration[(other, b)] = (1.0 + self.calibration[(other, b)]) / 2
             elif better or missing or stale:
                 if not better:
                     self._probing = b
@@ -136,21 +140,23 @@ class RegimePolicy:
         regime's 21)."""
         if predict is None:
             return
+        if not self._acc:
+            return
+        b, (tokens, seconds) = max(self._acc.items(), key=lambda kv: kv[1][1])   # where the stint spent most
         guess = predict(self.current)
-        tokens = sum(t for t, _ in self._acc.values())
-        seconds = sum(sec for _, sec in self._acc.values())
         if guess is None or guess <= 0 or seconds <= 0:
             return
         lo, hi = CALIBRATION_RANGE
         ratio = min(max(tokens / seconds / guess, lo), hi)
-        old = self.calibration.get(self.current)
-        self.calibration[self.current] = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
+        key = (self.current, b)
+        old = self.calibration.get(key)
+        self.calibration[key] = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
 
-    def _predicted_slower(self, predict, other: str, mine: float | None) -> bool:
+    def _predicted_slower(self, predict, other: str, mine: float | None, b: int) -> bool:
         if predict is None or mine is None:
             return False
         guess = predict(other)
-        return guess is not None and guess * self.calibration.get(other, 1.0) * (1 + self.prune) < mine
+        return guess is not None and guess * self.calibration.get((other, b), 1.0) * (1 + self.prune) < mine
 
     def probe_rounds_left(self) -> int | None:
         """Rounds left in the current stint if it is a probe (it will most likely be left after them),
