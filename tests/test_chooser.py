@@ -383,3 +383,26 @@ def test_a_fresh_engine_whose_first_rounds_accepted_badly_still_prefills_the_dra
     assert ch.would_speculate(1) == bool(z)
     ch.global_acc = AcceptanceEstimate(0.37, strength=1e6)
     assert not ch.would_speculate(1)
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_the_draft_price_follows_the_machine_speed_the_target_measures(monkeypatch, relative):
+    """The draft is priced in a slow phase (target level 1), then the machine runs 1.7x faster: the
+    target's level follows every round, the draft's price is measured only in rounds that draft. Fitted
+    relative to the level, the draft gets cheaper with it and a 0.7 request is drafted for again. The
+    control (absolute units, as before) keeps the slow phase's draft price and runs plain: nothing
+    drafts, so that price never moves (a fresh engine ran 98% of an MT-Bench set plain that way)."""
+    if not relative:
+        monkeypatch.setattr(CostModel, "level", lambda self: 1.0)
+    m = CostModel()
+    m.unit = 1.0
+    m.target.set([1.0, 0.3])
+    for _ in range(50):                         # slow phase: K = 1 rounds, a draft step 0.55 of the level
+        m.observe_target(2, 1.6)
+        m.observe_draft([1], 0.55)
+    assert best_plan([0.7], [4], m)[0] > 0
+    for _ in range(50):                         # fast phase: plain rounds only
+        m.observe_target(1, 1.3 / 1.7)
+    assert m.target.a == pytest.approx(1 / 1.7, rel=0.02)
+    assert m.draft_s([1]) == pytest.approx(0.55 / 1.7 if relative else 0.55, rel=0.05)
+    assert (best_plan([0.7], [4], m)[0] > 0) == relative

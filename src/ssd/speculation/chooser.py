@@ -382,8 +382,7 @@ class Chooser:
         margin = self.hysteresis_down if all(n <= o for n, o in zip(new, old)) else self.hysteresis
         if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * (1 + margin):
             new = old
-        if self.explore_z > 0:
-            self._explore(seq_ids, new, caps, behind, remaining)
+        explored = self._explore(seq_ids, new, caps, behind, remaining) if self.explore_z > 0 else 0
         if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
             self._probe(seq_ids, new, acc, caps, behind, remaining)
         self.last.update(zip(seq_ids, new))     # a plain probe below does not become the plan to keep
@@ -391,27 +390,31 @@ class Chooser:
         if n and self.rounds % n == self.plain_probe_at and self.rounds % self.probe_every and any(new):
             new = [0] * len(new)
             self.plain_probes += 1
+        else:
+            self.explorations += explored
         self.predicted_tokens = sum(expected_tokens(a, k) for a, k in zip(acc, new))
         catch = sum(t for t, k in zip(behind, new) if k > 0)
         self.predicted_s = self.cost.time_s(new, catch, acc) * (self.cost.unit or 0.0)
         return new
 
     def _explore(self, seq_ids: list[int], plan: list[int], caps: list[int], behind: list[int],
-                 remaining: list[int] | None) -> None:
+                 remaining: list[int] | None) -> int:
         """One draft token for each sequence at 0 that the plan would draft for at its optimistic
         acceptance (its batch mates as estimated, its catch-up charged; a draft far behind only where the
-        catch-up is affordable, as for a probe)."""
+        catch-up is affordable, as for a probe). -> how many were given one."""
         idle = [b for b, (k, c) in enumerate(zip(plan, caps)) if k == 0 and c > 0]
         if not idle:
-            return
+            return 0
         trial = self.acceptance(seq_ids)
         for b in idle:
             trial[b] = self._acc(seq_ids[b]).upper(self.explore_z)
         hopeful = best_plan(trial, caps, self.cost, behind, remaining, floor=self.floor)
+        explored = 0
         for b in idle:
             if hopeful[b] > 0 and self._catch_up_affordable(b, len(plan), behind, remaining):
                 plan[b] = 1
-                self.explorations += 1
+                explored += 1
+        return explored
 
     def _probe(self, seq_ids: list[int], plan: list[int], acc: list[float], caps: list[int], behind: list[int],
                remaining: list[int] | None) -> None:

@@ -138,9 +138,7 @@ class RegimePolicy:
         AVX-512 host: a first worker stint measured 8.4 tok/s where the worker rounds' fits then
         predicted 13.3, and later predictions of 16-19 came within the prune margin of the local
         regime's 21)."""
-        if predict is None:
-            return
-        if not self._acc:
+        if predict is None or not self._acc:
             return
         b, (tokens, seconds) = max(self._acc.items(), key=lambda kv: kv[1][1])   # where the stint spent most
         guess = predict(self.current)
