@@ -88,7 +88,11 @@ def test_auto_with_a_draft_worker_setting_runs_the_worker(tiny_pair, ar_ref):
     llm = LLM(str(target), draft=str(draft), k=3, dtype="float32", progress=False, kv_cache_gb=0.05,
               worker_timeout_s=20, draft_cores=[max(os.sched_getaffinity(0))])
     try:
-        assert llm.config.mode == "auto" and llm.config.auto_ssd and llm.engine.step_impl.worker is not None
+        step = llm.engine.step_impl
+        assert llm.config.mode == "auto" and llm.config.auto_ssd and step.worker is not None
+        # where SSD rounds take the target's cores (a thread split) auto starts local, the worker waiting
+        shares = step.thread_split is not None
+        assert step.regime.current == (LOCAL if shares else WORKER) and step.regime.worker_waits == shares
         assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == ar_ref[2]
     finally:
         llm.close()
@@ -288,6 +292,21 @@ def test_a_deferred_first_visit_pruned_when_due_backs_off_like_a_probe():
     seq = run_predicted(p, {WORKER: 5.0, LOCAL: 20.0}, {WORKER: 5.0}, 200, batch=8)
     assert WORKER not in seq
     assert 1 <= p.pruned <= 3        # due after 32 rounds, then 64, 128 (not at every stint end after the first)
+
+
+@pytest.mark.parametrize("waits, first_visit", [
+    (False, 4),     # the control: the worker's first visit ends the first (local) stint
+    (True, 40),     # SSD rounds take the target's cores: it waits a probe interval (32 rounds) first
+])
+def test_where_the_worker_takes_the_targets_cores_its_first_visit_waits_at_every_bucket(waits, first_visit):
+    p = RegimePolicy(dwell=4, probe_every=32, start=LOCAL, worker_waits=waits)
+    seq = run(p, {WORKER: 30.0, LOCAL: 20.0}, 48)
+    assert seq.index(WORKER) == first_visit and seq[-1] == WORKER        # once measured faster, it stays
+    assert (p.deferred > 0) == waits
+    q = RegimePolicy(dwell=4, probe_every=32, start=LOCAL, worker_waits=waits)
+    run(q, {WORKER: 30.0, LOCAL: 20.0}, 2)
+    seq = run(q, {WORKER: 30.0, LOCAL: 20.0}, 64, batch=8)             # a new bucket, none visited yet
+    assert seq.index(WORKER) == (first_visit - 2 if waits else 2)
 
 
 def test_disable_is_local_for_good():

@@ -80,9 +80,12 @@ class LLMEngine:
             self.step_impl.max_spec_batch = spec_max_batch
             self.step_impl.batch_rows = _weak_call(self._decode_rows, default=0)
             if mode == "auto" and draft_client is not None:     # auto_ssd: SSD stints next to local ones
-                from ssd.speculation.regime import RegimePolicy
+                from ssd.speculation.regime import LOCAL, WORKER, RegimePolicy
 
-                self.step_impl.add_worker(WorkerProposer(draft_client, self.spec_counters), RegimePolicy(), thread_split)
+                # where SSD rounds take cores from the target (a thread split), start local: see RegimePolicy
+                shares = thread_split is not None
+                policy = RegimePolicy(start=LOCAL if shares else WORKER, worker_waits=shares)
+                self.step_impl.add_worker(WorkerProposer(draft_client, self.spec_counters), policy, thread_split)
             lookahead = k + 1
         else:
             raise ValueError(f"unknown mode {mode!r}; choose ar, sd, ssd or auto")

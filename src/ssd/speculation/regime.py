@@ -25,7 +25,12 @@ counts the stint ends it waited at): without that, the first visit ran before th
 enough to skip it. Where the worker regime lost at the nearest smaller batch-size
 bucket, its first visit at a larger one waits a probe interval too (SSD's edge shrinks as the batch
 grows; `deferred` counts these waits as well): the first visits of each new bucket were most of
-what auto lost in a short run at batch 4. Exactness does not depend on any of
+what auto lost in a short run at batch 4. Where SSD rounds take cores from the target
+(`worker_waits`, the equal placement) the policy starts local and the worker's first visit waits a
+probe interval at every bucket: a worker stint there pays the worker's prefill of the contexts and
+runs the target on fewer threads (its first stint measured about 0.5x the local regime's rate on an
+AVX-512 host, and fixed SSD ran below SD in every equal-placement bench so far), so the regime
+that needs no setup serves first and the worker is explored from there. Exactness does not depend on any of
 this: every round is verified by the same exact rejection sampling whichever proposer drafted it.
 """
 from __future__ import annotations
@@ -44,7 +49,8 @@ def bucket(batch_size: int) -> int:
 
 class RegimePolicy:
     def __init__(self, dwell: int = 16, probe_every: int = 128, hysteresis: float = 0.05, alpha: float = 0.5,
-                 start: str = WORKER, max_probe_every: int = 1024, prune: float = 0.1):
+                 start: str = WORKER, max_probe_every: int = 1024, prune: float = 0.1,
+                 worker_waits: bool = False):
         if dwell < 1 or probe_every < dwell or max_probe_every < probe_every:
             raise ValueError("dwell >= 1 and dwell <= probe_every <= max_probe_every are required")
         self.dwell, self.probe_every, self.hysteresis, self.alpha = dwell, probe_every, hysteresis, alpha
@@ -65,6 +71,7 @@ class RegimePolicy:
         self.deferred = 0                # stint ends at which a first visit waited (for a prediction, or
                                          # because the worker lost at a smaller batch)
         self.await_prediction = True     # a first visit waits for the caller's model (see _await_prediction)
+        self.worker_waits = worker_waits  # the worker's first visit at every bucket waits a probe interval
         # (regime, bucket) -> measured / predicted rate of its stints there (per bucket: what the model
         # misses differs with the batch size; one dict for all let local visits at batch 1 prune the
         # local regime at batch 4 in the paper placement, where AR was best)
@@ -87,7 +94,7 @@ class RegimePolicy:
             mine, theirs = self.rate.get((self.current, b)), self.rate.get((other, b))
             # SSD's edge shrinks as the batch grows (more verify rows, more drafting per round): where the
             # worker lost at the nearest smaller batch, it is not visited first at this one (a probe later)
-            doubt = theirs is None and other == WORKER and self._worker_lost_below(b)
+            doubt = theirs is None and other == WORKER and (self.worker_waits or self._worker_lost_below(b))
             better = mine is None and not doubt or theirs is not None and theirs > mine * (1 + self.hysteresis)
             if self._probing == b:       # the probe stint just measured: back off if it lost
                 base = self.probe_every
