@@ -6,10 +6,15 @@ cache, then every sequence attends over all of its cached positions (prefix + ne
 causal mask. Gathers and masks are built once per forward (`AttentionMetadata`) and shared by all
 layers.
 
-With an fp16 KV cache on CPU (`kernel=True`), sequences with at most KERNEL_MAX_QUERY new tokens
-(decode, verify, pre-drafted chains) go through the C++ kernel, which reads the cache in place and
-gives each row a result independent of its batch mates; longer prompt chunks use PyTorch's SDPA
-over a gathered fp32 copy (the same in every mode, since every mode prefills the same way).
+With an fp16 KV cache on CPU (`kernel=True`), every row (decode, verify, pre-drafted chains and
+prompt chunks of any length) goes through the C++ kernel, which reads the cache in place and gives
+each row a result that depends on its sequence's cache and its position only: not on its batch
+mates, nor on how its prompt was split (a prefix-cache hit) or padded. Until 2026-12-03 prompt
+chunks of more than 16 tokens went through PyTorch's SDPA over a batch padded to its longest
+sequence, so a prompt's prefill changed in the last bits with its batch mates (greedy tokens of 3 of
+8 prompts differed at batch 4 from alone, from the 2nd, 49th and 62nd token); the kernel is as fast
+as that SDPA for 160-2048-token prompts on a 2-core AVX-512 host. Other paths (fp32 caches, CUDA)
+use SDPA.
 """
 from __future__ import annotations
 
@@ -27,19 +32,15 @@ def block_slots(block_table: list[int], block_size: int, num_tokens: int) -> tor
         :num_tokens]
 
 
-KERNEL_MAX_QUERY = 16
-
-
 @dataclass
 class KernelRows:
-    """Rows handled by the C++ kernel: packed row, sequence (row of gather_slots), keys to attend."""
+    """Rows handled by the C++ kernel (all of them): packed row, sequence (row of gather_slots),
+    keys to attend."""
 
     rows: torch.Tensor
     seq: torch.Tensor
     nkeys: torch.Tensor
     slots: torch.Tensor          # [B, L] slot table (= gather_slots of the whole batch)
-    sdpa: "AttentionMetadata | None"   # the other sequences, over their own packed rows
-    sdpa_rows: torch.Tensor | None
     ops: object = None           # the compiled kernels and the code path, looked up once per forward
     isa: int = -1
 
@@ -57,8 +58,8 @@ class AttentionMetadata:
     def build(cls, query_lens: list[int], context_slots: list[torch.Tensor], device: torch.device,
               kernel: bool = False) -> "AttentionMetadata":
         """context_slots[b]: cache slot of every context position of sequence b after this step
-        (its cached prefix followed by its query_lens[b] new tokens). kernel: route short queries
-        to the batch-invariant C++ kernel (fp16 cache on CPU)."""
+        (its cached prefix followed by its query_lens[b] new tokens). kernel: attend through the
+        batch-invariant C++ kernel (fp16 cache on CPU) instead of SDPA."""
         if kernel:
             return cls._build_kernel(query_lens, context_slots, device)
         context_lens = [len(c) for c in context_slots]
@@ -98,27 +99,17 @@ class AttentionMetadata:
                       ) -> "AttentionMetadata":
         B, L = len(query_lens), max(len(c) for c in context_slots)
         gather = torch.zeros(B, L, dtype=torch.long)
-        slot_parts, krow, kseq, knk, big, big_rows = [], [], [], [], [], []
-        row = 0
+        slot_parts, kseq, knk = [], [], []
         for b, (q, slots) in enumerate(zip(query_lens, context_slots)):
             ctx = len(slots)
             gather[b, :ctx] = slots
             slot_parts.append(slots[ctx - q:])
-            if q <= KERNEL_MAX_QUERY:
-                krow.extend(range(row, row + q))
-                kseq.extend([b] * q)
-                knk.extend(range(ctx - q + 1, ctx + 1))
-            else:
-                big.append(b)
-                big_rows.extend(range(row, row + q))
-            row += q
-        sdpa = None
-        if big:
-            sdpa = cls.build([query_lens[b] for b in big], [context_slots[b] for b in big], device)
+            kseq.extend([b] * q)
+            knk.extend(range(ctx - q + 1, ctx + 1))
         from ssd.kernels.build import forced_isa, load_qgemm
 
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        kr = KernelRows(t(krow), t(kseq), t(knk), gather.to(device), sdpa, t(big_rows) if big else None,
+        kr = KernelRows(torch.arange(len(kseq), device=device), t(kseq), t(knk), gather.to(device),
                         load_qgemm(), forced_isa())
         return cls(slot_mapping=torch.cat(slot_parts).to(device), gather_slots=gather.to(device),
                    pad_index=torch.zeros(0, 0, dtype=torch.long), unpad_index=torch.zeros(0, dtype=torch.long),
@@ -149,6 +140,4 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     if kr.rows.numel():
         kr.ops.paged_attention_rows(q, k_cache, v_cache, kr.slots, kr.rows, kr.seq, kr.nkeys, out, scale, kr.isa)
-    if kr.sdpa is not None:
-        out[kr.sdpa_rows] = _sdpa(q[kr.sdpa_rows], k_cache, v_cache, kr.sdpa, scale)
     return out
