@@ -93,6 +93,9 @@ def test_auto_with_a_draft_worker_setting_runs_the_worker(tiny_pair, ar_ref):
         # where SSD rounds take the target's cores (a thread split) auto starts local, the worker waiting
         shares = step.thread_split is not None
         assert step.regime.current == (LOCAL if shares else WORKER) and step.regime.worker_waits == shares
+        # there the target's slowdown on its SSD-round threads is measured at start (it bounds the worker)
+        assert (step.thread_slowdown is not None) == shares
+        assert not shares or 0.0 < step.thread_slowdown < float("inf")
         assert llm.generate(PROMPTS[2], GREEDY)[0].token_ids == ar_ref[2]
     finally:
         llm.close()
@@ -307,6 +310,18 @@ def test_where_the_worker_takes_the_targets_cores_its_first_visit_waits_at_every
     run(q, {WORKER: 30.0, LOCAL: 20.0}, 2)
     seq = run(q, {WORKER: 30.0, LOCAL: 20.0}, 64, batch=8)             # a new bucket, none visited yet
     assert seq.index(WORKER) == (first_visit - 2 if waits else 2)
+
+
+@pytest.mark.parametrize("bound, visited", [
+    (None, True),       # the control: nothing predicts the worker, it is visited a probe interval in
+    (25.0, True),       # the bound allows a win: visited
+    (15.0, False),      # even all-hit rounds would be clearly slower (SpeculativeStep._worker_bound)
+])
+def test_where_the_worker_takes_the_targets_cores_a_bound_below_the_local_rate_skips_its_visit(bound, visited):
+    p = RegimePolicy(dwell=4, probe_every=32, start=LOCAL, worker_waits=True)
+    seq = run_predicted(p, {WORKER: 10.0, LOCAL: 20.0}, {WORKER: bound, LOCAL: 20.0}, 400)
+    assert (WORKER in seq) == visited
+    assert visited or p.pruned >= 2          # skipped when due, and again after a backed-off interval
 
 
 def test_disable_is_local_for_good():

@@ -186,8 +186,13 @@ def _step(apart: bool):
         wc.cost.worker.observe_round(False, 2, 0.6)
     local = Chooser(4, shares_acceptance=wc)
     local.cost.unit = 0.12
-    return NS(worker_chooser=wc, chooser=local, regime=NS(dwell=16), num_draft=lambda s: 4,
-              proposer=NS(behind=lambda seqs: [0] * len(seqs)), worker_prefills_always=apart)
+    from ssd.speculation.step import SpeculativeStep
+
+    step = NS(worker_chooser=wc, chooser=local, regime=NS(dwell=16), num_draft=lambda s: 4,
+              proposer=NS(behind=lambda seqs: [0] * len(seqs)), worker_prefills_always=apart,
+              thread_split=None if apart else (1, 2), thread_slowdown=None)
+    step._worker_bound = lambda acc, caps: SpeculativeStep._worker_bound(step, acc, caps)
+    return step
 
 
 def test_a_worker_visit_is_predicted_with_the_prefill_of_the_contexts_handed_back():
@@ -248,3 +253,58 @@ def test_the_worker_regime_is_predicted_after_a_stint_that_mostly_hit():
     for _ in range(4):
         fresh.worker_chooser.cost.worker.observe_round(True, 2, 0.05)
     assert SpeculativeStep.predicted_rate(fresh, [_Seq(0, 100, False)], "worker") is None   # 4 rounds: not yet
+
+
+@pytest.mark.parametrize("acceptance, batch, slower", [
+    (0.5, 1, True),      # chat-like acceptance: even all-hit rounds on the slower target lose
+    (0.5, 4, True),
+    (0.95, 1, False),    # code-like: all-hit rounds could win, so the worker may be visited
+])
+def test_where_ssd_rounds_take_the_targets_cores_an_unvisited_worker_is_bounded_by_all_hit_rounds(
+        acceptance, batch, slower):
+    """The equal placement, before the worker has run a round: its rate is bounded by rounds that all hit
+    the speculation cache (no wait, no hand-over) on a target `thread_slowdown` times slower than in local
+    rounds (measured at start). A first visit there ran at about 0.5x the local regime (AVX-512 host,
+    MT-Bench); where even the bound is more than the prune margin (10%) below the local rate it is not
+    run. The controls: with no measured slowdown, or the worker on cores of its own (no thread split),
+    there is no prediction (as before); with slowdown 1 the bound is above the plain rate."""
+    from ssd.speculation.chooser import AcceptanceEstimate, rate
+    from ssd.speculation.step import SpeculativeStep
+
+    step = _step(apart=False)
+    step.worker_chooser.cost = CostModel(worker=WorkerWait())      # no worker round yet
+    local = step.chooser.cost
+    local.target.set([1.0, 0.2])            # a row costs 20% of a 1-row forward (measured 18-22% there)
+    seqs = [_Seq(i, 100, False) for i in range(batch)]
+    for i in range(batch):
+        step.chooser.per_seq[i] = AcceptanceEstimate(acceptance, strength=100.0)
+    assert SpeculativeStep.predicted_rate(step, seqs, "worker") is None           # the control: not measured
+    step.thread_slowdown = 1.5
+    bound = SpeculativeStep.predicted_rate(step, seqs, "worker")
+    plain = rate([0] * batch, [acceptance] * batch, local) / local.unit
+    assert (bound * 1.1 < plain) == slower
+    step.thread_slowdown = 1.0
+    assert SpeculativeStep.predicted_rate(step, seqs, "worker") > plain
+    apart = _step(apart=True)
+    apart.worker_chooser.cost = CostModel(worker=WorkerWait())
+    apart.thread_slowdown = 1.5
+    assert SpeculativeStep.predicted_rate(apart, seqs, "worker") is None
+
+
+def test_the_thread_slowdown_is_the_least_ratio_of_median_times_and_restores_the_threads(monkeypatch):
+    """thread_scaling.slowdown with a fake clock: per row count the median time on few threads over the
+    median on many, the least of them; torch's thread count is left as it was."""
+    import torch
+
+    from ssd.speculation import thread_scaling
+
+    cost = {(1, 1): 1.5, (1, 2): 1.0, (4, 1): 1.8, (4, 2): 1.0, (16, 1): 1.9, (16, 2): 1.0}
+    clock = [0.0]
+    monkeypatch.setattr(thread_scaling.time, "perf_counter", lambda: clock[0])
+
+    def run(rows):
+        clock[0] += cost[(rows, torch.get_num_threads())]
+
+    before = torch.get_num_threads()
+    assert thread_scaling.slowdown(run, 1, 2) == pytest.approx(1.5)
+    assert torch.get_num_threads() == before

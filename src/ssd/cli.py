@@ -157,7 +157,9 @@ def format_decisions(delta) -> str:
         if pred and meas:
             parts.append(f"predicted {pred:.1f} vs measured {meas:.1f} tok/s")
     if d.get("auto_worker_round_share") is not None:
+        pruned = d.get("auto_regime_probes_pruned")
         parts.append(f"auto: SSD rounds {d['auto_worker_round_share']:.0%}, {d['auto_regime_switches']} switch(es)"
+                     + (f", {pruned} visit(s) skipped as predicted slower" if pruned else "")
                      + (", draft worker lost" if d.get("auto_worker_lost") else ""))
     return " | ".join(parts)
 

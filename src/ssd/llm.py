@@ -87,10 +87,26 @@ class LLM:
         self.engine.prefill_threads = cfg.prefill_threads or (thread_split[1] if thread_split else None)
         if cfg.mode == "auto" and cfg.auto_ssd:
             self.engine.step_impl.worker_prefills_always = worker_apart
+            if thread_split is not None:
+                self._measure_thread_slowdown(thread_split)
         if draft_client is not None:
             self.engine.step_impl.prefill_on_worker_cores = self._prefill_on_worker_cores(
                 cfg, self.engine.prefill_threads or cfg.threads or torch.get_num_threads())
         self._clients = _as_clients(draft_client)
+
+    def _measure_thread_slowdown(self, thread_split: tuple[int, int]) -> None:
+        """auto_ssd where SSD rounds take the worker's cores from the target: how much slower the target
+        runs on its SSD-round threads (speculation/thread_scaling.py), to bound the worker regime before
+        its first visit."""
+        from ssd.speculation.thread_scaling import target_slowdown
+
+        few, many = thread_split
+        s = target_slowdown(self.target.model, few, many)
+        self.engine.step_impl.thread_slowdown = s
+        self.engine.spec_counters.thread_slowdown = s
+        log.info("auto_ssd: the target's MLP runs %.2fx slower on %d thread(s) than on %d (measured at start); "
+                 "the worker is not visited while even all-hit SSD rounds at that speed would be clearly "
+                 "slower than the local rounds", s, few, many)
 
     @staticmethod
     def _ssd_cpu_split(cfg: EngineConfig) -> None:

@@ -97,6 +97,10 @@ class ServerMetrics:
                                     "its cost model predicted for the rounds it chose (since start)", registry=r)
         self.auto_measured = Gauge("ssd_auto_measured_tokens_per_second", "auto: committed tokens per second "
                                    "measured over the same rounds (since start)", registry=r)
+        self.auto_thread_slowdown = Gauge("ssd_auto_thread_slowdown", "auto_ssd where SSD rounds take cores from "
+                                          "the target: its MLP's time on those fewer threads over its time on all "
+                                          "of them (measured at start; bounds the worker regime before its first "
+                                          "visit)", registry=r)
         # auto with a draft worker (auto_ssd): the regime policy's choices and a lost worker
         self.auto_worker_rounds = Counter("ssd_auto_worker_rounds", "auto_ssd: decode rounds the draft worker "
                                           "served (SSD rounds; the others used the in-process draft)", registry=r)
@@ -210,6 +214,8 @@ class ServerMetrics:
                            (self.auto_measured, "auto_measured_tokens_per_s")):
             if d.get(key) is not None:
                 gauge.set(d[key])
+        if total.thread_slowdown is not None:
+            self.auto_thread_slowdown.set(total.thread_slowdown)
 
     def engine_state(self, scheduler, managers: dict) -> None:
         self.running.set(len(scheduler.running))

@@ -219,6 +219,20 @@ def local_cost(worker_rounds: CostModel, draft_step: float, catch_up: float = 0.
     return m
 
 
+def all_hit_cost(local: CostModel, slowdown: float) -> CostModel:
+    """An optimistic model of SSD rounds where they take cores from the target (the equal placement),
+    before the worker has run any: the local rounds' target line (same units) made `slowdown` times
+    slower (the target on fewer threads, see thread_scaling.py), and no drafting time at all (every
+    round a cache hit, no wait, no prefill of the contexts handed to the worker). No worker round can
+    be faster than that, so a worker regime whose best plan under it is clearly slower than the local
+    regime's measured rate need not be visited."""
+    m = CostModel()
+    m.unit = local.unit
+    m.target.set([w * slowdown for w in local.target.w.tolist()])
+    m.draft.set([0.0, 0.0, 0.0])
+    return m
+
+
 def catch_up_share(num_draft: list[int], acceptance: list[float], behind: list[int] | None,
                    remaining: list[int] | None) -> float:
     """Catch-up tokens charged to one round: a draft that missed `behind` tokens pays them once when it

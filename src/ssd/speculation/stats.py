@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 __all__ = ["SpecCounters", "SpecSnapshot"]
 
 
-_LEVELS = {"draft_workers"}       # snapshot fields that are states, not counts
+_LEVELS = {"draft_workers", "thread_slowdown"}     # snapshot fields that are states, not counts
 
 
 def _grow(xs: list[int], n: int) -> None:
@@ -67,6 +67,7 @@ class SpecCounters:
     regime_visits_deferred: int = 0  # stint ends at which a first visit waited (for a prediction, or: SSD lost
                                      # at a smaller batch)
     worker_lost: int = 0
+    thread_slowdown: float | None = None   # auto_ssd, thread split: target time on SSD-round / local threads
     started: float = field(default_factory=time.perf_counter)
 
     def cover(self, k: int) -> None:
@@ -142,6 +143,7 @@ class SpecSnapshot:
     regime_probes_pruned: int = 0
     regime_visits_deferred: int = 0
     worker_lost: int = 0
+    thread_slowdown: float | None = None
     wall_s: float = 0.0
 
     def delta(self, before: SpecSnapshot) -> SpecSnapshot:
@@ -193,5 +195,7 @@ class SpecSnapshot:
                     "auto_worker_rows_by_num_draft": list(self.worker_rows_by_num_draft),
                     "auto_regime_switches": self.regime_switches,
                     "auto_regime_probes_pruned": self.regime_probes_pruned,
-                    "auto_regime_visits_deferred": self.regime_visits_deferred, "auto_worker_lost": self.worker_lost}
-                   if self.worker_rounds or self.worker_lost else {})}
+                    "auto_regime_visits_deferred": self.regime_visits_deferred, "auto_worker_lost": self.worker_lost,
+                    "auto_thread_slowdown": self.thread_slowdown}
+                   if self.worker_rounds or self.worker_lost or self.regime_probes_pruned or
+                   self.regime_visits_deferred else {})}

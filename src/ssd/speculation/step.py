@@ -22,8 +22,8 @@ from ssd.engine.ar import ARStep
 from ssd.engine.model_runner import ModelRunner
 from ssd.engine.sequence import Sequence
 from ssd.engine.step import prefill_and_sample
-from ssd.speculation.chooser import (CATCH_UP_PRIOR, Chooser, CostModel, best_plan, expected_tokens, local_cost,
-                                     rate)
+from ssd.speculation.chooser import (CATCH_UP_PRIOR, Chooser, CostModel, all_hit_cost, best_plan, expected_tokens,
+                                     local_cost, rate)
 from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
 from ssd.speculation.regime import WORKER, RegimePolicy
 from ssd.speculation.stats import SpecCounters
@@ -56,6 +56,9 @@ class SpeculativeStep:
         self.thread_split: tuple[int, int] | None = None      # (target threads: worker rounds, local rounds)
         self.worker_chooser: Chooser | None = None
         self.worker_prefills_always = False     # the worker's cores are idle in local rounds (not taken back)
+        # the target's forward time on its SSD-round threads / on its local-round threads (thread_scaling.py;
+        # set at start where there is a thread split)
+        self.thread_slowdown: float | None = None
         # the target's prefill runs on the local workers' cores too (SSD's CPU default, the equal
         # placement): workers are handed new prompts at their first round, not during the prefill
         self.prefill_on_worker_cores = False
@@ -178,7 +181,7 @@ class SpeculativeStep:
         wait = cost.worker
         if regime == WORKER:
             if cost.unit is None or not wait.measured():
-                return None
+                return self._worker_bound(acc, caps)
             plan = best_plan(acc, caps, cost, floor=1)
             tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
             retake = wait.retake_s.value * sum(len(s) for s in seqs if s.spec_state.detached)
@@ -199,6 +202,19 @@ class SpeculativeStep:
             cost = local
         plan = best_plan(acc, caps, cost, behind, remaining)
         return rate(plan, acc, cost, behind, remaining) / cost.unit
+
+    def _worker_bound(self, acc: list[float], caps: list[int]) -> float | None:
+        """Before the worker has run enough rounds to be predicted, where SSD rounds take cores from the
+        target (a thread split, with `thread_slowdown` measured at start): an upper bound on its rate,
+        every round a cache hit on the slower target (chooser.all_hit_cost). A visit is then skipped
+        where even that is clearly slower than the local regime (low acceptance, a large batch): such a
+        first visit ran at about 0.5x the local regime in the equal placement on a 2-core host."""
+        local = self.chooser.cost
+        if self.thread_split is None or self.thread_slowdown is None or local.unit is None:
+            return None
+        bound = all_hit_cost(local, self.thread_slowdown)
+        plan = best_plan(acc, caps, bound, floor=1)
+        return rate(plan, acc, bound) / bound.unit
 
     def _worker_lost(self, error: ProposerFailed) -> None:
         """auto_ssd: the worker died or stopped answering; auto goes on with the in-process draft."""
