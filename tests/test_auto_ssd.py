@@ -271,6 +271,34 @@ def test_a_pruned_probe_backs_off_and_a_better_prediction_lets_it_run():
     assert WORKER in seq
 
 
+@pytest.mark.parametrize("guess, early", [
+    (30.0, True),       # the model now predicts the local regime clearly faster: re-measured early
+    (21.0, False),      # the control: within the margins (5% + 10%) of the worker's 20
+    (None, False),      # the control: no model
+])
+def test_a_regime_predicted_clearly_faster_after_the_requests_changed_is_remeasured_early(guess, early):
+    """Paper placement, batch 4, a chat set after a code set: the local regime was measured slower on
+    the code set, its probes backed off, and the worker served all of the chat set's rounds at 0.84x AR.
+    Where the model now predicts the local regime clearly faster, it is re-measured at the next stint end
+    (at least `early_after` rounds after its last measurement), not a backed-off interval later."""
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=512, start=WORKER)
+    run_predicted(p, {WORKER: 20.0, LOCAL: 15.0}, {WORKER: 20.0}, 300)   # code: the worker wins, probes back off
+    assert p.current == WORKER and p.interval[0] >= 128 and p.early == 0
+    seq = run_predicted(p, {WORKER: 20.0, LOCAL: 30.0}, {WORKER: 20.0, LOCAL: guess}, 40)   # chat
+    assert (LOCAL in seq) == early and (p.early > 0) == early
+    if early:
+        assert seq[-1] == LOCAL          # measured faster: it stays
+
+
+def test_an_early_probe_that_loses_lowers_its_regimes_prediction_and_is_not_repeated_at_once():
+    """An optimistic model: the local regime is predicted at 30 but measures 15. The early probe loses,
+    the calibration scales the prediction down (30 x 0.5 = 15), and no early probe follows."""
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=512, start=WORKER)
+    run_predicted(p, {WORKER: 20.0, LOCAL: 15.0}, {WORKER: 20.0}, 300)
+    seq = run_predicted(p, {WORKER: 20.0, LOCAL: 15.0}, {WORKER: 20.0, LOCAL: 30.0}, 200)
+    assert p.early == 1 and seq.count(LOCAL) == 4
+
+
 def test_a_first_visit_waits_for_a_prediction_it_may_then_skip():
     """With a model that cannot predict yet, the first visit of the other regime waits (at most
     probe_every rounds): a visit run before the model can predict it is the one pruning cannot save."""

@@ -601,7 +601,8 @@ def test_auto_ssd_server_counts_worker_rounds_switches_and_a_lost_worker(monkeyp
               kv_cache_gb=0.05, worker_timeout_s=10)
     names = {"ssd_auto_worker_rounds_total": "worker_rounds", "ssd_auto_regime_switches_total": "regime_switches",
              "ssd_draft_worker_lost_total": "worker_lost", "ssd_auto_regime_probes_pruned_total": "regime_probes_pruned",
-             "ssd_auto_regime_visits_deferred_total": "regime_visits_deferred"}
+             "ssd_auto_regime_visits_deferred_total": "regime_visits_deferred",
+             "ssd_auto_regime_early_probes_total": "regime_early_probes", "ssd_auto_thread_slowdown": "thread_slowdown"}
     try:
         with BackgroundServer(build_app(llm)) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -616,12 +617,12 @@ def test_auto_ssd_server_counts_worker_rounds_switches_and_a_lost_worker(monkeyp
             wait_idle(srv)
             m = llm.engine.spec_metrics()
             assert m.worker_rounds > 0 and m.regime_switches > 0 and m.worker_lost == 0
-            assert {k: metric(srv, k) for k in names} == {k: getattr(m, v) for k, v in names.items()}
+            assert {k: metric(srv, k) for k in names} == {k: getattr(m, v) or 0 for k, v in names.items()}
             os.kill(llm._client.pid, signal.SIGKILL)
             ask(PROMPTS[2])
             wait_idle(srv)
             m = llm.engine.spec_metrics()
             assert m.worker_lost == 1
-            assert {k: metric(srv, k) for k in names} == {k: getattr(m, v) for k, v in names.items()}
+            assert {k: metric(srv, k) for k in names} == {k: getattr(m, v) or 0 for k, v in names.items()}
     finally:
         llm.close()

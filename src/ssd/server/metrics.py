@@ -112,6 +112,9 @@ class ServerMetrics:
                                             "first visit of the other regime waited (for the model's prediction, "
                                             "or because SSD rounds lost at a smaller batch)",
                                             registry=r)
+        self.auto_regime_early = Counter("ssd_auto_regime_early_probes", "auto_ssd: visits of the other regime run "
+                                         "before their probe interval because the model predicted it clearly "
+                                         "faster", registry=r)
         self.auto_worker_lost = Counter("ssd_draft_worker_lost", "auto_ssd: the draft worker lost (1 once it "
                                         "died or stopped answering; auto goes on with the in-process draft only)", registry=r)
         if mode == "auto" and k:
@@ -206,6 +209,7 @@ class ServerMetrics:
                            (self.auto_regime_switches, delta.regime_switches),
                            (self.auto_regime_pruned, delta.regime_probes_pruned),
                            (self.auto_regime_deferred, delta.regime_visits_deferred),
+                           (self.auto_regime_early, delta.regime_early_probes),
                            (self.auto_worker_lost, delta.worker_lost)):
             if n > 0:
                 counter.inc(n)

@@ -8,7 +8,11 @@ regime runs for a stint of `dwell` rounds, and a stint's rate (committed tokens 
 switching costs included: the worker catching up, the first rounds with nothing pre-drafted) updates
 that regime's estimate for the batch-size bucket it ran at. After a stint the policy switches when
 the other regime is estimated `hysteresis` faster, or when its estimate is missing or older than
-`probe_every` rounds (exploration). A probe that loses (the policy goes back) doubles that bucket's
+`probe_every` rounds (exploration), or, before that, when the model now predicts the other
+regime (scaled by its calibration, below) clearly faster than the current one measures (`early`:
+the requests changed since it was measured; a chat set after a code set at batch 4 ran 100% SSD
+rounds at 0.84x AR in the paper placement, the local regime measured on the code set and its next
+probe a backed-off interval away). A probe that loses (the policy goes back) doubles that bucket's
 probe interval, up to `max_probe_every`; one that wins resets it: a stable winner pays for fewer and
 fewer probes, each of which costs a stint in the slower regime and two switches.
 
@@ -75,6 +79,9 @@ class RegimePolicy:
                                          # because the worker lost at a smaller batch)
         self.await_prediction = True     # a first visit waits for the caller's model (see _await_prediction)
         self.worker_waits = worker_waits  # the worker's first visit at every bucket waits a probe interval
+        self.early = 0                   # stint ends at which a measured regime was re-measured early because
+                                         # the model predicted it clearly faster than the current one
+        self.early_after = 2 * dwell     # rounds since its last measurement before that may happen
         # (regime, bucket) -> measured / predicted rate of its stints there (per bucket: what the model
         # misses differs with the batch size; one dict for all let local visits at batch 1 prune the
         # local regime at batch 4 in the paper placement, where AR was best)
@@ -106,7 +113,15 @@ class RegimePolicy:
             missing = theirs is None and not doubt
             if doubt:
                 self.seen.setdefault((other, b), self.rounds)
-            stale = self.rounds - self.seen.get((other, b), -10**9) > self.interval.get(b, self.probe_every)
+            age = self.rounds - self.seen.get((other, b), -10**9)
+            stale = age > self.interval.get(b, self.probe_every)
+            # the other regime's estimate is old and the model now predicts it clearly faster (the requests
+            # changed since: a chat set after a code set): re-measure it now rather than a backed-off
+            # interval later. Only a measured regime (its prediction from fits, not a bound) and not
+            # sooner than `early_after` rounds after its last measurement
+            promising = not (better or stale) and theirs is not None and age > self.early_after and \
+                self._predicted_faster(predict, other, mine, b)
+            self.early += promising
             if not better and (missing and self._await_prediction(predict, other) or doubt and not stale):
                 self.deferred += 1
             elif not better and (missing or stale) and self._predicted_slower(predict, other, mine, b):
@@ -119,7 +134,7 @@ class RegimePolicy:
                     # again (a probe runs again within about five backed-off intervals)
                     if (other, b) in self.calibration:
                         self.calibration[(other, b)] = (1.0 + self.calibration[(other, b)]) / 2
-            elif better or missing or stale:
+            elif better or missing or stale or promising:
                 if not better:
                     self._probing = b
                 self.current = other
@@ -159,6 +174,15 @@ class RegimePolicy:
         key = (self.current, b)
         old = self.calibration.get(key)
         self.calibration[key] = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
+
+    def _predicted_faster(self, predict, other: str, mine: float | None, b: int) -> bool:
+        """The other regime's calibrated prediction beats the current one's measured rate by more than the
+        switching margin and the prune margin together."""
+        if predict is None or mine is None:
+            return False
+        guess = predict(other)
+        return guess is not None and \
+            guess * self.calibration.get((other, b), 1.0) > mine * (1 + self.hysteresis + self.prune)
 
     def _predicted_slower(self, predict, other: str, mine: float | None, b: int) -> bool:
         if predict is None or mine is None:

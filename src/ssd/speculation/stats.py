@@ -66,6 +66,8 @@ class SpecCounters:
     regime_probes_pruned: int = 0   # regime probes skipped: the other regime was predicted clearly slower
     regime_visits_deferred: int = 0  # stint ends at which a first visit waited (for a prediction, or: SSD lost
                                      # at a smaller batch)
+    regime_early_probes: int = 0     # probes run before their interval: the model predicted the other regime
+                                     # clearly faster than the current one measured
     worker_lost: int = 0
     thread_slowdown: float | None = None   # auto_ssd, thread split: target time on SSD-round / local threads
     started: float = field(default_factory=time.perf_counter)
@@ -142,6 +144,7 @@ class SpecSnapshot:
     regime_switches: int = 0
     regime_probes_pruned: int = 0
     regime_visits_deferred: int = 0
+    regime_early_probes: int = 0
     worker_lost: int = 0
     thread_slowdown: float | None = None
     wall_s: float = 0.0
@@ -195,7 +198,8 @@ class SpecSnapshot:
                     "auto_worker_rows_by_num_draft": list(self.worker_rows_by_num_draft),
                     "auto_regime_switches": self.regime_switches,
                     "auto_regime_probes_pruned": self.regime_probes_pruned,
-                    "auto_regime_visits_deferred": self.regime_visits_deferred, "auto_worker_lost": self.worker_lost,
+                    "auto_regime_visits_deferred": self.regime_visits_deferred,
+                    "auto_regime_early_probes": self.regime_early_probes, "auto_worker_lost": self.worker_lost,
                     "auto_thread_slowdown": self.thread_slowdown}
                    if self.worker_rounds or self.worker_lost or self.regime_probes_pruned or
                    self.regime_visits_deferred else {})}

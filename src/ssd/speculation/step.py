@@ -136,7 +136,7 @@ class SpeculativeStep:
         """auto_ssd: the regime of this round, with the target's threads to match."""
         if self.regime is None:
             return self.proposer
-        before, pruned, deferred = self.regime.switches, self.regime.pruned, self.regime.deferred
+        before, pruned, deferred, early = self.regime.switches, self.regime.pruned, self.regime.deferred, self.regime.early
         predict = (lambda regime: self.predicted_rate(seqs, regime)) if self.worker_chooser is not None else None
         # a first visit waits for a prediction only where the worker rounds' fits predict both regimes;
         # where local rounds take the worker's cores back, the local regime needs rounds of its own
@@ -145,6 +145,7 @@ class SpeculativeStep:
         self.counters.regime_switches += self.regime.switches - before
         self.counters.regime_probes_pruned += self.regime.pruned - pruned
         self.counters.regime_visits_deferred += self.regime.deferred - deferred
+        self.counters.regime_early_probes += self.regime.early - early
         if self.thread_split is not None:
             n = self.thread_split[0 if use_worker else 1]
             if torch.get_num_threads() != n:
