@@ -274,6 +274,11 @@ def test_interleaved_batch_sweep(tiny_pair, tmp_path, monkeypatch):
     # one decode rate per batch of prompts, for the paired auto-vs-best interval
     assert [len(r["batch_decode_tokens_per_s"]) for r in res["runs"]] == [2, 1] * 3
     assert all(x > 0 for r in res["runs"] for x in r["batch_decode_tokens_per_s"])
+    # and the target's mean forward per batch (trace spans), to tell a mode's own costs from the machine's
+    assert [len(r["batch_target_forward_ms"]) for r in res["runs"]] == [2, 1] * 3
+    assert all(x > 0 for r in res["runs"] for x in r["batch_target_forward_ms"])
+    assert all(r["draft_prefill_s"] == 0 for r in res["runs"] if r["mode"] == "ar")
+    assert any(r["draft_prefill_s"] > 0 for r in res["runs"] if r["mode"] == "sd")
     assert res["config"]["interleaved"] is True and res["config"]["batch_size"] == [1, 2]
     assert set(res["summary_by_batch_size"]) == {"1", "2"} and "summary" not in res
     auto = [r for r in res["runs"] if r["mode"] == "auto"]
@@ -285,6 +290,19 @@ def test_interleaved_batch_sweep(tiny_pair, tmp_path, monkeypatch):
     md = paths["md"].read_text()
     assert "Batch size 2:" in md and "auto against the best fixed configuration" in md
     assert "| code | 2 | sd |" in md
+
+
+def test_span_stats_counts_forwards_after_the_first_token_and_draft_prefills():
+    from ssd.bench.engine_runs import span_stats
+    from ssd.engine.trace import Span
+
+    spans = [Span("target", "prefill", 0.0, 1.0), Span("draft", "prefill", 1.0, 1.5),
+             Span("target", "decode", 0.5, 0.6),           # before the first token: not a decode step
+             Span("target", "decode", 2.0, 2.1), Span("draft", "draft", 2.1, 2.2),
+             Span("target", "verify", 2.2, 2.5), Span("target", "wait", 2.5, 3.0)]
+    ms, prefill = span_stats(spans, first_token=1.6)
+    assert ms == pytest.approx(200.0) and prefill == pytest.approx(0.5)
+    assert span_stats([], 0.0) == (None, 0.0)
 
 
 def test_auto_vs_best_picks_the_best_fixed_cell():

@@ -60,6 +60,8 @@ class Cell:
     tp_before: dict | None = None  # tensor-parallel timings before the cell (LLM.tensor_parallel_stats)
     tp_after: dict | None = None
     batches: list = field(default_factory=list)   # per generate() call: (decode tokens, decode seconds)
+    forward_ms: list = field(default_factory=list)   # per generate() call: mean target forward after the first token
+    draft_prefill_s: float = 0.0                     # the in-process draft's prompt prefills (trace spans)
 
 
 def median(xs: list[float | None]) -> float | None:
@@ -77,6 +79,8 @@ def params(temperature: float, seed: int, index: int, max_tokens: int):
 def run_chunk(llm, cell: Cell, chunk: list[list[int]], plist: list) -> None:
     """One generate() call over `chunk` (concurrent requests); adds its outputs and times to `cell`.
     Decode time = wall time after the batch's first token (never flattering for batches > 1)."""
+    spans = llm.engine.tracer.spans
+    n0, t0 = len(spans), time.perf_counter()
     outs = llm.generate(chunk, plist)
     wall = llm.last_stats["wall_s"]
     ttfts = [o.metrics.ttft_s for o in outs if o.metrics.ttft_s is not None]
@@ -85,6 +89,20 @@ def run_chunk(llm, cell: Cell, chunk: list[list[int]], plist: list) -> None:
     cell.decode_wall += decode_wall
     cell.outputs += outs
     cell.batches.append((sum(max(o.metrics.num_generated_tokens - 1, 0) for o in outs), decode_wall))
+    forward_ms, draft_prefill_s = span_stats(spans[n0:], t0 + (min(ttfts) if ttfts else 0.0))
+    cell.forward_ms.append(forward_ms)
+    cell.draft_prefill_s += draft_prefill_s
+
+
+def span_stats(spans: list, first_token: float) -> tuple[float | None, float]:
+    """(mean ms of the target's forwards after `first_token` (decode and verify spans), seconds the
+    in-process draft spent prefilling prompts) of one generate() call's trace spans. They tell a
+    mode's own per-step costs from the machine's phase: the same plain step took 63-80 ms per batch
+    in both AR and auto in one interleaved run."""
+    fwd = [s.end - s.start for s in spans if s.track == "target" and s.name in ("decode", "verify")
+           and s.start >= first_token]
+    prefill = sum(s.end - s.start for s in spans if s.track == "draft" and s.name == "prefill")
+    return (sum(fwd) / len(fwd) * 1e3 if fwd else None), prefill
 
 
 def cell_entry(llm, cell: Cell, dataset: str, batch_size: int, max_tokens: int, desc: str) -> dict:
@@ -112,6 +130,9 @@ def cell_entry(llm, cell: Cell, dataset: str, batch_size: int, max_tokens: int, 
         # one value per batch of prompts, in run order: the same batches ran on every configuration, one
         # right after the other, so auto's and a fixed configuration's values pair up (summary.paired_ratio)
         "batch_decode_tokens_per_s": [n / w if w > 0 else None for n, w in cell.batches],
+        # per batch, the mean target forward (decode or verify) after the first token, from the trace
+        "batch_target_forward_ms": cell.forward_ms,
+        "draft_prefill_s": cell.draft_prefill_s,
         "ttft_ms_median": ttft * 1e3 if ttft is not None else None,
         "acceptance_rate": agg["acceptance_rate"],
         "mean_accepted_len": decode_tokens / rounds if rounds else None,
