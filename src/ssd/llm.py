@@ -229,8 +229,9 @@ class LLM:
             cores = local_cores(sorted(os.sched_getaffinity(0)), n, cfg.draft_cores) if device == "cpu" \
                 else per_worker_cores(cfg.draft_cores, n) or [None] * n
         if device != "cpu":
-            log.warning("SSD draft worker on %s: this path has not been run on a GPU by our test suite (the "
-                        "same code runs on CPU in it); engine and worker still talk over gloo, not NCCL", device)
+            log.warning("SSD draft worker on %s: CI has no GPU; this path passed the prepared GPU check once (an "
+                        "H200, tiny fp32 models: scripts/cuda_check.sh), not with real models; engine and worker "
+                        "talk over gloo, not NCCL", device)
         # a GGUF draft (built-in name or .gguf file) is handed over as such, so the worker loads its
         # low-bit weights from the GGUF like an in-process draft does
         model_arg = str(cfg.draft) if gguf_source(str(cfg.draft), progress=False) is not None else str(path)
