@@ -2,7 +2,8 @@
 step), from an online cost model and each request's measured acceptance (docs/ARCHITECTURE.md 4.1).
 
 The model: a target forward over R rows costs a + b R (TargetLine in in-process rounds: a level that
-follows the machine and a relative row cost b / a learnt from consecutive rounds); drafting costs c
+follows the machine and a relative row cost b / a learnt from consecutive rounds, with a correction
+per row count learnt from them too, for a cost per row that grows with the rows); drafting costs c
 per draft step plus d per row of it (a plan with K_b tokens for sequence b runs max K_b steps, step j
 over the sequences with K_b > j). A sequence with per-token acceptance a_b and K_b draft tokens commits
 E(a_b, K_b) = (1 - a_b^(K_b+1)) / (1 - a_b) tokens in expectation. The chooser maximizes
@@ -17,6 +18,7 @@ Exactness does not depend on any of this: every plan is verified by the same exa
 """
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -62,36 +64,93 @@ class RLS:
 
 
 class TargetLine:
-    """The target forward's time over R rows, a + b R = a (1 + rho R), fitted as two things that change
-    at different rates. The level a follows the machine's speed (an exponential average of y / (1 + rho
-    R), weight `level_alpha`); rho, the relative cost of a row, is a property of the kernels and is
-    learnt only from consecutive rounds with different row counts (same machine phase), as a ratio of
-    exponential sums: rho = sum(y - y0) / sum(y0 R - y R0), signed by R - R0.
+    """The target forward's time over R rows, a f(R), fitted as two things that change at different
+    rates. The level a follows the machine's speed (an exponential average of y / f(R), weight
+    `level_alpha`); the shape f is a property of the kernels and is learnt only from consecutive rounds
+    with different row counts (same machine phase). f(R) = (1 + rho R) exp(h(R)): rho, the relative cost
+    of a row, as a ratio of exponential sums, rho = sum(y - y0) / sum(y0 R - y R0), signed by R - R0;
+    h, a correction per row count (see `shape_rate`) that lets f bend where the line cannot.
 
-    A plain least-squares line (RLS with forgetting) confounds the two on a shared VM: a 2-core host's
-    speed moves +-50% in phases of many rounds, and the chooser's draft lengths change with those
+    A plain least-squares line (RLS with forgetting) confounds level and rows on a shared VM: a 2-core
+    host's speed moves +-50% in phases of many rounds, and the chooser's draft lengths change with those
     phases, so rows run in a slow phase looked dear. Measured there (auto at batch 1, MT-Bench): the
     line's slope was 38% of a 1-row forward per row, where forcing K = 0..4 in turn (every K sees every
     phase) measured 18-22% (1 to 5 rows, three runs); the steep line made auto choose K = 1 and plain
-    rounds where K = 2 is best."""
+    rounds where K = 2 is best.
+
+    The correction: on one thread the target's cost per row grows with the rows (paper placement: about
+    13 ms per row from 1 to 4 rows, 19 from 4 to 8), so one line fitted over a run's pairs (batch tails
+    of 1-3 rows, rounds of 4 and 8 at batch 4) priced a plain round at batch 4 about 15% too dear after
+    a streak of K=1 rounds, and auto drafted where K=1 was about 13% slower than plain. Each pair moves h
+    at both row counts towards the measured log ratio log(y / y0) (`shape_rate` of the error, split
+    between them); a pair that misses the shape by more than `shape_clip` (in log) is left out of h, as
+    one across a change of the machine's speed (a phase boundary at a change of plan moved h steadily one
+    way where a clipped update was kept). A row count not seen in a pair takes h interpolated linearly
+    between the nearest ones that were (the nearest one's beyond them): unseen ones follow the line.
+    Every round h fades towards 0 (the line) by `shape_decay`, so a correction that noise made too dear
+    at a row count the chooser then avoids (no pairs to correct it) does not last: a table of measured
+    costs per row count lost 5-10% at batch 1 that way (scripts/auto_trace_sim.py)."""
 
     def __init__(self, prior: tuple[float, float] = (1.0, 0.1), level_alpha: float = 0.15,
-                 pair_decay: float = 0.98, prior_rows: float = 4.0):
+                 pair_decay: float = 0.98, prior_rows: float = 4.0, shape_rate: float = 0.2,
+                 shape_clip: float = 0.25, shape_decay: float = 0.998):
         self.a, self.rho = prior[0], prior[1] / prior[0]
         self.level_alpha, self.pair_decay = level_alpha, pair_decay
+        self.shape_rate, self.shape_clip, self.shape_decay = shape_rate, shape_clip, shape_decay
         self.num, self.den = self.rho * prior_rows, prior_rows      # the prior: worth `prior_rows` rows
         self.prev: tuple[int, float] | None = None
         self.levels = 0                  # observations of the level so far (a mean until 1 / level_alpha)
+        self.h: dict[int, float] = {}    # log correction of the line's shape, at row counts seen in pairs
+        self._keys: list[int] = []       # sorted keys of h
 
     @property
     def w(self) -> torch.Tensor:
+        """The line (a, a rho), without the per-row-count correction."""
         return torch.tensor([self.a, self.a * self.rho], dtype=torch.float64)
 
     def set(self, w: list[float]) -> None:
+        """A given line (and no correction)."""
         self.a, self.rho = w[0], w[1] / w[0] if w[0] else 0.0
+        self.h, self._keys = {}, []
+
+    def scaled(self, factor: float) -> "TargetLine":
+        """A copy whose forwards all take `factor` times as long (the same shape)."""
+        m = TargetLine((self.a * factor, self.a * factor * self.rho))
+        m.h, m._keys = dict(self.h), list(self._keys)
+        return m
+
+    def correction(self, rows: float) -> float:
+        """h(rows): the learnt log correction, interpolated between the row counts seen in pairs."""
+        keys = self._keys
+        if not keys:
+            return 0.0
+        if rows <= keys[0]:
+            return self.h[keys[0]]
+        if rows >= keys[-1]:
+            return self.h[keys[-1]]
+        hi = bisect.bisect_left(keys, rows)
+        k0, k1 = keys[hi - 1], keys[hi]
+        t = (rows - k0) / (k1 - k0)
+        return self.h[k0] + t * (self.h[k1] - self.h[k0])
+
+    def shape(self, rows: float) -> float:
+        return (1.0 + self.rho * rows) * math.exp(self.correction(rows))
 
     def predict(self, x: list[float]) -> float:
-        return self.a * (x[0] + self.rho * x[1])
+        return self.a * (x[0] + self.rho * x[1]) * math.exp(self.correction(x[1]))
+
+    def _learn_pair(self, r0: int, y0: float, r1: int, y1: float) -> None:
+        for r in (r0, r1):
+            if r not in self.h:
+                self.h[r] = self.correction(r)
+                self._keys = sorted(self.h)
+        if y0 <= 0 or y1 <= 0:
+            return
+        err = math.log(y1 / y0) - math.log(self.shape(r1) / self.shape(r0))
+        if abs(err) > self.shape_clip:
+            return           # more than noise: a pair across a change of the machine's speed, most likely
+        self.h[r1] += 0.5 * self.shape_rate * err
+        self.h[r0] -= 0.5 * self.shape_rate * err
 
     def update(self, x: list[float], y: float) -> None:
         rows = x[1]
@@ -102,10 +161,14 @@ class TargetLine:
             self.den = self.pair_decay * self.den + sign * (y0 * rows - y * r0)
             if self.den > 1e-9:
                 self.rho = min(max(self.num / self.den, 0.0), 2.0)
+            if self.shape_rate:
+                self._learn_pair(int(r0), y0, int(rows), y)
+        for r in self._keys:
+            self.h[r] *= self.shape_decay
         self.prev = (rows, y)
         self.levels += 1
         alpha = max(self.level_alpha, 1.0 / self.levels)
-        self.a += alpha * (y / (1.0 + self.rho * rows) - self.a)
+        self.a += alpha * (y / self.shape(rows) - self.a)
 
 
 CATCH_UP_PRIOR = 0.02      # a draft's catch-up per missed token, in units of a target forward (see CostModel)
@@ -228,7 +291,7 @@ def all_hit_cost(local: CostModel, slowdown: float) -> CostModel:
     regime's measured rate need not be visited."""
     m = CostModel()
     m.unit = local.unit
-    m.target.set([w * slowdown for w in local.target.w.tolist()])
+    m.target = local.target.scaled(slowdown)
     m.draft.set([0.0, 0.0, 0.0])
     return m
 
