@@ -450,7 +450,8 @@ def test_the_draft_price_follows_the_machine_speed_the_target_measures(monkeypat
         m.observe_target(2, 1.6)
         m.observe_draft([1], 0.55)
     assert best_plan([0.7], [4], m)[0] > 0
-    for _ in range(50):                         # fast phase: plain rounds only
+    m.observe_target(2, 1.6 / 1.7)              # the machine turns 1.7x faster in a K = 1 round,
+    for _ in range(50):                         # then plain rounds only
         m.observe_target(1, 1.3 / 1.7)
     assert m.target.a == pytest.approx(1 / 1.7, rel=0.02)
     assert m.draft_s([1]) == pytest.approx(0.55 / 1.7 if relative else 0.55, rel=0.05)

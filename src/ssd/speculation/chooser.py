@@ -97,6 +97,7 @@ class TargetLine:
         self.a, self.rho = prior[0], prior[1] / prior[0]
         self.level_alpha, self.pair_decay = level_alpha, pair_decay
         self.shape_rate, self.shape_clip, self.shape_decay = shape_rate, shape_clip, shape_decay
+        self.prior_rows = prior_rows
         self.num, self.den = self.rho * prior_rows, prior_rows      # the prior: worth `prior_rows` rows
         self.prev: tuple[int, float] | None = None
         self.levels = 0                  # observations of the level so far (a mean until 1 / level_alpha)
@@ -109,13 +110,14 @@ class TargetLine:
         return torch.tensor([self.a, self.a * self.rho], dtype=torch.float64)
 
     def set(self, w: list[float]) -> None:
-        """A given line (and no correction)."""
+        """A given line (as the prior of its row cost, and no correction)."""
         self.a, self.rho = w[0], w[1] / w[0] if w[0] else 0.0
+        self.num, self.den = self.rho * self.prior_rows, self.prior_rows
         self.h, self._keys = {}, []
 
     def scaled(self, factor: float) -> "TargetLine":
         """A copy whose forwards all take `factor` times as long (the same shape)."""
-        m = TargetLine((self.a * factor, self.a * factor * self.rho))
+        m = TargetLine((self.a * factor, self.a * factor * self.rho), prior_rows=self.prior_rows)
         m.h, m._keys = dict(self.h), list(self._keys)
         return m
 
@@ -184,8 +186,10 @@ COLD_FACTOR = 3.0
 class CostModel:
     """Target forward time a + b R; draft time c per step + d per row + e per catch-up token (a draft
     that sat out plain rounds first feeds the tokens it missed). Fitted in units of a typical early
-    target forward (see UNIT_ROUNDS; so the priors below are relative): extra rows cost 10% of a step,
-    a draft step 30%, a draft row 3%, a catch-up token 2% (catching up is one batched draft forward over
+    target forward (see UNIT_ROUNDS; so the priors below are relative): extra rows cost 20% of a step
+    in local rounds (measured: 18-22% per row from 1 to 5 rows on 2 threads, about 23% from 1 to 4 on
+    one; with 10%, worth 4 rows of pairs, a fresh engine at batch 4 on one thread drafted K=1 for its
+    first two batches, where plain was faster) and 10% in SSD rounds, a draft step 30%, a draft row 3%, a catch-up token 2% (catching up is one batched draft forward over
     the missed tokens, like a prefill; a 10% prior kept auto from ever drafting for short answers, so
     the term was never measured). The draft's terms are fitted relative to the target line's current
     level (see `level`), so they follow the machine's speed with it. With `worker` (SSD rounds of
@@ -199,7 +203,7 @@ class CostModel:
         # batch 1); SSD rounds keep the least-squares line: with TargetLine there, auto_ssd ran 0.88x
         # SSD k=2 on HumanEval in the paper placement against 0.97x with the line, in a same-process
         # A/B (12 prompts; 0.99x overall, within noise), and the two bench runs agreed on HumanEval
-        self.target = RLS([1.0, 0.1]) if worker is not None else TargetLine((1.0, 0.1))
+        self.target = RLS([1.0, 0.1]) if worker is not None else TargetLine((1.0, 0.2))
         self.draft = RLS([0.3, 0.03, CATCH_UP_PRIOR])
         # SSD rounds: the worker drafts during the verify; the target waits for it only on a cache miss
         self.worker = worker
