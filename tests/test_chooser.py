@@ -1,6 +1,7 @@
 """The auto-mode chooser as pure functions of a cost model and acceptance estimates (no model)."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -315,28 +316,52 @@ def test_the_target_line_bends_where_a_rows_cost_grows_with_the_rows(shape_rate)
     assert (err > 0.04) == (shape_rate == 0), err
 
 
-def test_the_target_lines_correction_interpolates_and_survives_scaling():
-    """Row counts between those seen in pairs take the correction interpolated; beyond them, the
-    nearest one's (the line's slope). A scaled copy (the all-hit bound) keeps the shape. Rounds without
-    pairs fade the correction towards the line."""
+def test_the_target_lines_shape_interpolates_and_survives_scaling():
+    """Between row counts seen in pairs the log shape is linear; beyond them it takes the line's slope
+    (in log). A scaled copy (the all-hit bound) keeps the shape. Rounds without pairs fade the learnt
+    shape towards the line."""
     from ssd.speculation.chooser import TargetLine
 
-    line = TargetLine((1.0, 0.0), shape_rate=1.0, shape_clip=10.0, shape_decay=1.0)
+    line = TargetLine((1.0, 0.1), shape_rate=1.0, shape_clip=10.0, shape_decay=1.0)
     line.update([1.0, 2], 1.0)
-    line.update([1.0, 6], 2.0)           # the pair moves the shape's ratio all the way to 2
-    assert line.correction(4) == pytest.approx((line.correction(2) + line.correction(6)) / 2)
-    assert line.correction(1) == line.correction(2) and line.correction(9) == line.correction(6)
+    line.update([1.0, 6], 2.0)           # the first pair at these row counts: the shape matches it
     assert line.predict([1.0, 6]) / line.predict([1.0, 2]) == pytest.approx(2.0)
+    assert line.log_shape(4) == pytest.approx((line.log_shape(2) + line.log_shape(6)) / 2)
+    assert line.log_shape(9) - line.log_shape(6) == pytest.approx(math.log((1 + 9 * line.rho) / (1 + 6 * line.rho)))
+    assert line.log_shape(1) - line.log_shape(2) == pytest.approx(math.log((1 + line.rho) / (1 + 2 * line.rho)))
     copy = line.scaled(1.5)
     for rows in (1, 4, 6, 9):
         assert copy.predict([1.0, rows]) == pytest.approx(1.5 * line.predict([1.0, rows]))
-    h6 = line.correction(6)
+    bend = line.correction(6)
+    assert bend != pytest.approx(0.0)
     line.shape_decay = 0.99
     for _ in range(100):
         line.update([1.0, 6], 2.0)
-    assert line.correction(6) == pytest.approx(h6 * 0.99 ** 100)
+    assert line.correction(6) == pytest.approx(bend * 0.99 ** 100)
     line.set([1.0, 0.1])
     assert line.correction(6) == 0.0
+
+
+@pytest.mark.parametrize("split", ["by_pairs", "even"])
+def test_a_row_count_known_from_fewer_pairs_takes_the_larger_part_of_a_pairs_error(monkeypatch, split):
+    """4 rows measured against 8 in many pairs, then a batch's tail at 3 rows: the new row count moves,
+    the 8-to-4 ratio stays. Control: an even split moves the 4-row value that 8 was measured against."""
+    import ssd.speculation.chooser as chooser_mod
+    from ssd.speculation.chooser import TargetLine
+
+    if split == "even":
+        monkeypatch.setattr(chooser_mod, "pair_split", lambda n0, n1: (0.5, 0.5))
+
+    truth = {3: 1.0, 4: 1.1, 8: 1.9}
+    line = TargetLine((1.0, 0.2), shape_decay=1.0)
+    for i in range(40):
+        line.update([1.0, 8 if i % 2 else 4], truth[8 if i % 2 else 4])
+    ratio = line.predict([1.0, 8]) / line.predict([1.0, 4])
+    assert ratio == pytest.approx(1.9 / 1.1, rel=0.01)
+    line.update([1.0, 4], 1.1)
+    line.update([1.0, 3], 1.05)          # a tail round at 3 rows: 3 rows learns it, 4 barely moves
+    kept = line.predict([1.0, 8]) / line.predict([1.0, 4]) == pytest.approx(ratio, rel=0.01)
+    assert kept == (split == "by_pairs")
 
 
 def test_the_target_line_keeps_its_row_cost_while_the_row_count_does_not_change():

@@ -63,6 +63,13 @@ class RLS:
         return sum(a * b for a, b in zip(self._w, x))
 
 
+def pair_split(n0: int, n1: int) -> tuple[float, float]:
+    """How a pair's error is shared between its two row counts, known from n0 and n1 pairs before:
+    in inverse proportion to 1 + n."""
+    w0, w1 = 1.0 / (1 + n0), 1.0 / (1 + n1)
+    return w0 / (w0 + w1), w1 / (w0 + w1)
+
+
 class TargetLine:
     """The target forward's time over R rows, a f(R), fitted as two things that change at different
     rates. The level a follows the machine's speed (an exponential average of y / f(R), weight
@@ -101,7 +108,8 @@ class TargetLine:
         self.num, self.den = self.rho * prior_rows, prior_rows      # the prior: worth `prior_rows` rows
         self.prev: tuple[int, float] | None = None
         self.levels = 0                  # observations of the level so far (a mean until 1 / level_alpha)
-        self.h: dict[int, float] = {}    # log correction of the line's shape, at row counts seen in pairs
+        self.g: dict[int, float] = {}    # log f at the row counts seen in pairs
+        self.pairs: dict[int, int] = {}  # pairs learnt from at each of those row counts
         self._keys: list[int] = []       # sorted keys of h
 
     @property
@@ -113,51 +121,69 @@ class TargetLine:
         """A given line (as the prior of its row cost, and no correction)."""
         self.a, self.rho = w[0], w[1] / w[0] if w[0] else 0.0
         self.num, self.den = self.rho * self.prior_rows, self.prior_rows
-        self.h, self._keys = {}, []
+        self.g, self.pairs, self._keys = {}, {}, []
 
     def scaled(self, factor: float) -> "TargetLine":
         """A copy whose forwards all take `factor` times as long (the same shape)."""
         m = TargetLine((self.a * factor, self.a * factor * self.rho), prior_rows=self.prior_rows)
-        m.h, m._keys = dict(self.h), list(self._keys)
+        m.g, m.pairs, m._keys = dict(self.g), dict(self.pairs), list(self._keys)
         return m
 
-    def correction(self, rows: float) -> float:
-        """h(rows): the learnt log correction, interpolated between the row counts seen in pairs."""
-        keys = self._keys
+    def _line(self, rows: float) -> float:
+        return math.log(1.0 + self.rho * rows)
+
+    def log_shape(self, rows: float) -> float:
+        """log f(rows): the table where rows were seen in pairs, linear between them, the line's slope
+        (in log) beyond them."""
+        keys, g = self._keys, self.g
         if not keys:
-            return 0.0
+            return self._line(rows)
         if rows <= keys[0]:
-            return self.h[keys[0]]
+            return g[keys[0]] + self._line(rows) - self._line(keys[0])
         if rows >= keys[-1]:
-            return self.h[keys[-1]]
+            return g[keys[-1]] + self._line(rows) - self._line(keys[-1])
         hi = bisect.bisect_left(keys, rows)
         k0, k1 = keys[hi - 1], keys[hi]
         t = (rows - k0) / (k1 - k0)
-        return self.h[k0] + t * (self.h[k1] - self.h[k0])
+        return g[k0] + t * (g[k1] - g[k0])
+
+    def correction(self, rows: float) -> float:
+        """log f(rows) - log(1 + rho rows): how far the learnt shape bends away from the line."""
+        return self.log_shape(rows) - self._line(rows)
 
     def shape(self, rows: float) -> float:
-        return (1.0 + self.rho * rows) * math.exp(self.correction(rows))
+        return math.exp(self.log_shape(rows))
 
     def predict(self, x: list[float]) -> float:
-        return self.a * (x[0] + self.rho * x[1]) * math.exp(self.correction(x[1]))
+        return self.a * x[0] * self.shape(x[1])
 
     def _learn_pair(self, r0: int, y0: float, r1: int, y1: float) -> None:
         for r in (r0, r1):
-            if r not in self.h:
-                self.h[r] = self.correction(r)
-                self._keys = sorted(self.h)
+            if r not in self.g:
+                self.g[r] = self.log_shape(r)
+                self.pairs[r] = 0
+                self._keys = sorted(self.g)
         if y0 <= 0 or y1 <= 0:
             return
-        err = math.log(y1 / y0) - math.log(self.shape(r1) / self.shape(r0))
+        err = math.log(y1 / y0) - (self.g[r1] - self.g[r0])
         if abs(err) > self.shape_clip:
             return           # more than noise: a pair across a change of the machine's speed, most likely
-        self.h[r1] += 0.5 * self.shape_rate * err
-        self.h[r0] -= 0.5 * self.shape_rate * err
+        # a mean over a row count's first pairs, then an exponential average; the row count known from
+        # fewer pairs takes the larger part (a batch's tail of 1-3 rows otherwise moved the 4-row value
+        # that its K=1 rounds at 8 rows had been measured against)
+        n0, n1 = self.pairs[r0], self.pairs[r1]
+        rate = max(self.shape_rate, 1.0 / (1 + min(n0, n1)))
+        s0, s1 = pair_split(n0, n1)
+        self.g[r1] += rate * err * s1
+        self.g[r0] -= rate * err * s0
+        self.pairs[r0] += 1
+        self.pairs[r1] += 1
 
     def update(self, x: list[float], y: float) -> None:
         rows = x[1]
         if self.prev is not None and self.prev[0] != rows:
             r0, y0 = self.prev
+            before = self.shape(r0)
             sign = 1.0 if rows > r0 else -1.0
             self.num = self.pair_decay * self.num + sign * (y - y0)
             self.den = self.pair_decay * self.den + sign * (y0 * rows - y * r0)
@@ -165,8 +191,12 @@ class TargetLine:
                 self.rho = min(max(self.num / self.den, 0.0), 2.0)
             if self.shape_rate:
                 self._learn_pair(int(r0), y0, int(rows), y)
-        for r in self._keys:
-            self.h[r] *= self.shape_decay
+            # the level keeps its prediction at the row count it last followed; the shape moved around it
+            # (otherwise a shape learnt in one pair shifts every prediction until the level catches up)
+            self.a *= before / self.shape(r0)
+        for r in self._keys:            # the table fades towards the line
+            line = self._line(r)
+            self.g[r] = line + self.shape_decay * (self.g[r] - line)
         self.prev = (rows, y)
         self.levels += 1
         alpha = max(self.level_alpha, 1.0 / self.levels)
