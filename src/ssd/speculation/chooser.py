@@ -74,9 +74,9 @@ class TargetLine:
     """The target forward's time over R rows, a f(R), fitted as two things that change at different
     rates. The level a follows the machine's speed (an exponential average of y / f(R), weight
     `level_alpha`); the shape f is a property of the kernels and is learnt only from consecutive rounds
-    with different row counts (same machine phase). f(R) = (1 + rho R) exp(h(R)): rho, the relative cost
-    of a row, as a ratio of exponential sums, rho = sum(y - y0) / sum(y0 R - y R0), signed by R - R0;
-    h, a correction per row count (see `shape_rate`) that lets f bend where the line cannot.
+    with different row counts (same machine phase): a line 1 + rho R, rho the relative cost of a row as
+    a ratio of exponential sums, rho = sum(y - y0) / sum(y0 R - y R0), signed by R - R0; and a table g of
+    log f at the row counts seen in pairs, which lets f bend where the line cannot.
 
     A plain least-squares line (RLS with forgetting) confounds level and rows on a shared VM: a 2-core
     host's speed moves +-50% in phases of many rounds, and the chooser's draft lengths change with those
@@ -85,18 +85,19 @@ class TargetLine:
     phase) measured 18-22% (1 to 5 rows, three runs); the steep line made auto choose K = 1 and plain
     rounds where K = 2 is best.
 
-    The correction: on one thread the target's cost per row grows with the rows (paper placement: about
-    13 ms per row from 1 to 4 rows, 19 from 4 to 8), so one line fitted over a run's pairs (batch tails
-    of 1-3 rows, rounds of 4 and 8 at batch 4) priced a plain round at batch 4 about 15% too dear after
-    a streak of K=1 rounds, and auto drafted where K=1 was about 13% slower than plain. Each pair moves h
-    at both row counts towards the measured log ratio log(y / y0) (`shape_rate` of the error, split
-    between them); a pair that misses the shape by more than `shape_clip` (in log) is left out of h, as
-    one across a change of the machine's speed (a phase boundary at a change of plan moved h steadily one
-    way where a clipped update was kept). A row count not seen in a pair takes h interpolated linearly
-    between the nearest ones that were (the nearest one's beyond them): unseen ones follow the line.
-    Every round h fades towards 0 (the line) by `shape_decay`, so a correction that noise made too dear
-    at a row count the chooser then avoids (no pairs to correct it) does not last: a table of measured
-    costs per row count lost 5-10% at batch 1 that way (scripts/auto_trace_sim.py)."""
+    The table: on one thread the target's cost per row grows with the rows (paper placement: about 13 ms
+    per row from 1 to 4 rows, 19 from 4 to 8), so the line, fitted over a run's pairs (batch tails of 1-3
+    rows, rounds of 4 and 8 at batch 4), priced a plain round at batch 4 10-20% too dear during streaks
+    of K=1 rounds, and auto drafted where K=1 was about 13% slower than plain. A pair moves g at its two
+    row counts towards the measured log ratio log(y / y0): by the whole error at a row count's first pair,
+    then as a mean, down to `shape_rate` of it; the row count known from fewer pairs takes the larger
+    part (`pair_split`). A pair that misses by more than `shape_clip` (in log) is left out, as one across
+    a change of the machine's speed. Between row counts in the table log f is linear; beyond them it
+    follows the line's slope. Every round the table fades towards the line by `shape_decay`, so a row
+    count that noise made dear, which the chooser then avoids (no pairs to correct it), does not stay
+    so: a table of measured absolute costs per row count lost 5-10% at batch 1 that way (it was phases,
+    not rows; scripts/auto_trace_sim.py). When the shape moves, the level keeps its prediction at the
+    row count it last followed."""
 
     def __init__(self, prior: tuple[float, float] = (1.0, 0.1), level_alpha: float = 0.15,
                  pair_decay: float = 0.98, prior_rows: float = 4.0, shape_rate: float = 0.2,
@@ -110,7 +111,7 @@ class TargetLine:
         self.levels = 0                  # observations of the level so far (a mean until 1 / level_alpha)
         self.g: dict[int, float] = {}    # log f at the row counts seen in pairs
         self.pairs: dict[int, int] = {}  # pairs learnt from at each of those row counts
-        self._keys: list[int] = []       # sorted keys of h
+        self._keys: list[int] = []       # sorted keys of g
 
     @property
     def w(self) -> torch.Tensor:
