@@ -198,6 +198,12 @@ def test_pooled_auto_vs_best_pairs_batches_within_each_report():
     assert p["n"] == 4 and p["ratio"] == pytest.approx(0.9) and p["lo"] == pytest.approx(0.9)
     assert rows[0]["verdict"] == "missed"
     assert rows[0]["geomeans"]["ssd k=2"] == pytest.approx(math.exp(sum(map(math.log, [8, 10, 16, 20])) / 4))
+    # a replicate of only AR and auto (--k 4: auto's label has no K): auto is matched by its mode, and
+    # SSD, missing from it, is left out of the pooled cell
+    three = {"runs": [run("ar", "ar", [6.0, 6.0]), run("auto", "auto", [6.6, 6.6])]}
+    rows = pooled_auto_vs_best([one, three])
+    assert [(r["dataset"], r["best_fixed"], r["paired"]["n"]) for r in rows] == [("code", "ar", 4)]
+    assert rows[0]["paired"]["ratio"] == pytest.approx(math.exp((math.log(1.44) + math.log(1.5) + 2 * math.log(1.1)) / 4))
 
 
 def test_ssd_bench_pool_prints_the_pooled_table(tmp_path, capsys):

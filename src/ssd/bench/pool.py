@@ -2,7 +2,7 @@
 configurations (replicates): per (batch size, dataset) cell, the batches of every report side by side.
 A pair never crosses reports (each report's batches ran one right after the other), so the paired
 ratio stays valid when the reports ran at different machine speeds; the best fixed configuration is
-the one with the highest geometric mean over all the cell's batches.
+the one with the highest geometric mean over all the cell's batches, among those in every report.
 
     ssd bench --pool benchmarks/results/A.json benchmarks/results/B.json
 """
@@ -20,7 +20,10 @@ def pooled_auto_vs_best(reports: list[dict]) -> list[dict]:
         for r in rep["runs"]:
             if r.get("mode") in ("ar", "sd", "ssd", "auto") and r.get(KEY):
                 cell = cells.setdefault((r.get("batch_size"), r["dataset"]), {})
-                cell.setdefault(r.get("label") or r["mode"], []).append(list(r[KEY]))
+                # auto matched by mode: its label names the K it may reach ("auto" where --k gave one
+                # value, "auto k<=4" over a K grid), and a report holds one auto run per cell
+                label = "auto" if r["mode"] == "auto" else r.get("label") or r["mode"]
+                cell.setdefault(label, []).append(list(r[KEY]))
     out = []
     for (bs, ds), by_label in cells.items():
         full = {lab: sum(parts, []) for lab, parts in by_label.items() if len(parts) == len(reports)}
