@@ -2,8 +2,8 @@
 step), from an online cost model and each request's measured acceptance (docs/ARCHITECTURE.md 4.1).
 
 The model: a target forward over R rows costs a + b R (TargetLine in in-process rounds: a level that
-follows the machine and a relative row cost b / a learnt from consecutive rounds, with a correction
-per row count learnt from them too, for a cost per row that grows with the rows); drafting costs c
+follows the machine and a relative row cost b / a learnt from consecutive rounds, with a table of
+log costs per row count learnt from them too, where the cost per row grows with the rows); drafting costs c
 per draft step plus d per row of it (a plan with K_b tokens for sequence b runs max K_b steps, step j
 over the sequences with K_b > j). A sequence with per-token acceptance a_b and K_b draft tokens commits
 E(a_b, K_b) = (1 - a_b^(K_b+1)) / (1 - a_b) tokens in expectation. The chooser maximizes
@@ -115,11 +115,11 @@ class TargetLine:
 
     @property
     def w(self) -> torch.Tensor:
-        """The line (a, a rho), without the per-row-count correction."""
+        """The line (a, a rho), without the table."""
         return torch.tensor([self.a, self.a * self.rho], dtype=torch.float64)
 
     def set(self, w: list[float]) -> None:
-        """A given line (as the prior of its row cost, and no correction)."""
+        """A given line (as the prior of its row cost), and an empty table."""
         self.a, self.rho = w[0], w[1] / w[0] if w[0] else 0.0
         self.num, self.den = self.rho * self.prior_rows, self.prior_rows
         self.g, self.pairs, self._keys = {}, {}, []
