@@ -148,10 +148,6 @@ class TargetLine:
         t = (rows - k0) / (k1 - k0)
         return g[k0] + t * (g[k1] - g[k0])
 
-    def correction(self, rows: float) -> float:
-        """log f(rows) - log(1 + rho rows): how far the learnt shape bends away from the line."""
-        return self.log_shape(rows) - self._line(rows)
-
     def shape(self, rows: float) -> float:
         return math.exp(self.log_shape(rows))
 
