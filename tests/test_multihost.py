@@ -140,7 +140,7 @@ def test_two_remote_workers_across_namespaces_equal_ar(netns, tiny_pair, tmp_pat
                      kill_after=3 if kill else 0)
     try:
         out, err = engine.communicate(timeout=240)
-        assert engine.returncode == 0, err[-3000:]
+        assert engine.returncode == 0, err[-3000:] + "\nstdout: " + out[-800:]
         res = json.loads(out.strip().splitlines()[-1])
         assert res["tokens"] == ar_ref
         assert res["workers"] == 2 and res["degraded"] is None and res["rounds"] > 0
@@ -202,7 +202,7 @@ def test_tensor_parallel_rank_on_the_other_host(netns, tiny_pair, tmp_path, ar_r
                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         out, err = engine.communicate(timeout=240)
-        assert engine.returncode == 0, err[-3000:]
+        assert engine.returncode == 0, err[-3000:] + "\nstdout: " + out[-800:]
         res = json.loads(out.strip().splitlines()[-1])
         assert res["tokens"] == ar_ref
         ranks = {r["rank"]: r for r in res["stats"]["ranks"]}

@@ -30,6 +30,7 @@ Time spent in collectives (all-reduces and logits gathers) is accumulated per ra
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from datetime import timedelta
@@ -204,13 +205,17 @@ class TPGroup:
         self.closed = True
         if self.shm is not None:
             self.shm.close()
-        for g in (self.nccl, self.step, self.cmd):
-            if g is None:
-                continue
+        groups = [g for g in (self.nccl, self.step, self.cmd) if g is not None]
+        self.nccl = self.step = self.cmd = None
+        while groups:
+            # shut each down and destroy it here, while the interpreter is whole: left to its finalization,
+            # a group's threads and pairs were torn down in no set order and now and then aborted the
+            # process at exit ("terminate called without an active exception", exit -6)
             try:
-                g.shutdown()
+                groups.pop().shutdown()
             except Exception:       # noqa: BLE001 - best effort at exit
                 pass
+        gc.collect()
 
 
 def stat_row(busy_s: float, decode_busy_s: float, g: "TPGroup") -> list[float]:
