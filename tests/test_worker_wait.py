@@ -190,8 +190,8 @@ def _step(apart: bool):
 
     step = NS(worker_chooser=wc, chooser=local, regime=NS(dwell=16), num_draft=lambda s: 4,
               proposer=NS(behind=lambda seqs: [0] * len(seqs)), worker_prefills_always=apart,
-              thread_split=None if apart else (1, 2), thread_slowdown=None)
-    step._worker_bound = lambda acc, caps: SpeculativeStep._worker_bound(step, acc, caps)
+              thread_split=None if apart else (1, 2), thread_slowdown=None, draft_prefill_per_token=None)
+    step._worker_bound = lambda seqs, acc, caps: SpeculativeStep._worker_bound(step, seqs, acc, caps)
     return step
 
 
@@ -213,6 +213,44 @@ def test_a_worker_visit_is_predicted_with_the_prefill_of_the_contexts_handed_bac
     assert SpeculativeStep.predicted_rate(step, held, "worker") == pytest.approx(tokens / per_round / 0.2)
     assert SpeculativeStep.predicted_rate(step, back, "worker") == pytest.approx(
         tokens / (per_round + 0.01 * 1200 / 16) / 0.2)
+
+
+def test_the_bound_on_a_first_worker_visit_prices_the_prefill_of_the_contexts_it_is_handed():
+    """Equal placement, before any worker round: the bound on a visit is all-hit rounds on the slower
+    target plus the worker's prefill of the contexts it does not hold (at the in-process draft's fastest
+    prefill per token, slowed as the target is), spread over the stint. The controls: contexts the
+    worker holds, or no draft prefill measured yet, give the all-hit bound alone."""
+    from ssd.speculation.chooser import all_hit_cost, expected_tokens
+    from ssd.speculation.step import SpeculativeStep
+
+    step = _step(apart=False)
+    step.thread_slowdown = 1.6
+    step.worker_chooser.cost.worker = WorkerWait()         # no worker round yet: the bound predicts it
+    held = [_Seq(0, 400, False)]
+    back = [_Seq(0, 400, True)]
+    acc = step.worker_chooser.acceptance([0])
+    bound = all_hit_cost(step.chooser.cost, 1.6)
+    plan = best_plan(acc, [4], bound, floor=1)
+    tokens, per_round = expected_tokens(acc[0], plan[0]), bound.time_s(plan, 0.0, acc)
+    all_hit = tokens / per_round / 0.12
+    assert SpeculativeStep.predicted_rate(step, back, "worker") == pytest.approx(all_hit)    # none measured
+    SpeculativeStep._observe_draft_prefill(step, [], 1.0)
+    assert step.draft_prefill_per_token is None                                            # nothing fed
+    for fed, cached, secs in ((200, 0, 0.8), (300, 100, 0.5), (100, 0, 0.9)):
+        SpeculativeStep._observe_draft_prefill(step, [_Fed(fed, cached)], secs)
+    assert step.draft_prefill_per_token == pytest.approx(0.0025)                           # the least of 4, 2.5, 9 ms
+    assert SpeculativeStep.predicted_rate(step, held, "worker") == pytest.approx(all_hit)
+    got = SpeculativeStep.predicted_rate(step, back, "worker")
+    assert got == pytest.approx(tokens / (per_round + 0.0025 * 1.6 * 400 / 0.12 / 16) / 0.12)
+    assert got < 0.85 * all_hit
+
+
+class _Fed:
+    def __init__(self, tokens: int, cached: int):
+        self.tokens, self.num_cached = tokens, [0, cached]
+
+    def __len__(self) -> int:
+        return self.tokens
 
 
 def test_where_local_rounds_take_the_cores_back_the_local_regime_is_predicted_from_its_own_rounds():

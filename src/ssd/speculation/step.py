@@ -62,6 +62,9 @@ class SpeculativeStep:
         # the target's prefill runs on the local workers' cores too (SSD's CPU default, the equal
         # placement): workers are handed new prompts at their first round, not during the prefill
         self.prefill_on_worker_cores = False
+        # auto: the in-process draft's prefill, seconds per token fed (the least seen at an eager prefill;
+        # prices the worker's prefill of the contexts in the bound on a first visit, see _worker_bound)
+        self.draft_prefill_per_token: float | None = None
         self.batch_rows = lambda: 0     # the engine's count of unfinished requests (a new prefill joins them)
 
     def add_worker(self, worker: Proposer, regime: RegimePolicy, thread_split: tuple[int, int] | None) -> None:
@@ -111,7 +114,10 @@ class SpeculativeStep:
                 eager = not worker_now and self.chooser is not None and \
                     self.chooser.would_speculate(max(self.batch_rows(), len(seqs)))
                 self.counters.eager_draft_prefills += len(seqs) if eager else 0
+                t0 = time.perf_counter()
                 self.proposer.prefill(seqs, eager=eager)
+                if eager:
+                    self._observe_draft_prefill(seqs, time.perf_counter() - t0)
             else:
                 self.proposer.prefill(seqs)
         except ProposerFailed as e:
@@ -131,6 +137,13 @@ class SpeculativeStep:
             self.proposer.after_prefill(seqs)
         if attach:
             self.worker.after_prefill(seqs)
+
+    def _observe_draft_prefill(self, seqs: list[Sequence], seconds: float) -> None:
+        fed = sum(len(s) - (s.num_cached[1] if len(s.num_cached) > 1 else 0) for s in seqs)
+        if fed > 0 and seconds > 0:
+            per = seconds / fed
+            old = self.draft_prefill_per_token
+            self.draft_prefill_per_token = per if old is None else min(old, per)
 
     def _pick_proposer(self, seqs: list[Sequence]) -> Proposer:
         """auto_ssd: the regime of this round, with the target's threads to match."""
@@ -182,7 +195,7 @@ class SpeculativeStep:
         wait = cost.worker
         if regime == WORKER:
             if cost.unit is None or not wait.measured():
-                return self._worker_bound(acc, caps)
+                return self._worker_bound(seqs, acc, caps)
             plan = best_plan(acc, caps, cost, floor=1)
             tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
             retake = wait.retake_s.value * sum(len(s) for s in seqs if s.spec_state.detached)
@@ -204,18 +217,30 @@ class SpeculativeStep:
         plan = best_plan(acc, caps, cost, behind, remaining)
         return rate(plan, acc, cost, behind, remaining) / cost.unit
 
-    def _worker_bound(self, acc: list[float], caps: list[int]) -> float | None:
+    def _worker_bound(self, seqs: list[Sequence], acc: list[float], caps: list[int]) -> float | None:
         """Before the worker has run enough rounds to be predicted, where SSD rounds take cores from the
         target (a thread split, with `thread_slowdown` measured at start): an upper bound on its rate,
-        every round a cache hit on the slower target (chooser.all_hit_cost). A visit is then skipped
-        where even that is clearly slower than the local regime (low acceptance, a large batch): such a
-        first visit ran at about 0.5x the local regime in the equal placement on a 2-core host."""
+        every round a cache hit on the slower target (chooser.all_hit_cost), plus what a visit cannot
+        avoid: the worker's prefill of the contexts it does not hold, spread over the stint (as in
+        predicted_rate). That prefill is priced at the in-process draft's fastest prefill per token
+        (on the local regime's threads) slowed by `thread_slowdown`: the worker has the fewer threads,
+        and a prefill, bound by compute, slows at least as much as the target's decode forwards, by
+        which the slowdown is measured. A visit is then skipped where even that is clearly slower than
+        the local regime (low acceptance, a large batch, long contexts to hand over): such a first
+        visit ran at about 0.5x the local regime in the equal placement on a 2-core host; at batch 1
+        on HumanEval (acceptance 0.89: all-hit rounds alone would beat SD k=2 by about 17%) the one
+        visit the bound without the prefill allowed cost two requests a third of their rate."""
         local = self.chooser.cost
         if self.thread_split is None or self.thread_slowdown is None or local.unit is None:
             return None
         bound = all_hit_cost(local, self.thread_slowdown)
         plan = best_plan(acc, caps, bound, floor=1)
-        return rate(plan, acc, bound) / bound.unit
+        tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
+        retake = 0.0
+        if self.draft_prefill_per_token is not None:
+            context = sum(len(s) for s in seqs if s.spec_state.detached)
+            retake = self.draft_prefill_per_token * self.thread_slowdown * context / local.unit
+        return tokens / (bound.time_s(plan, 0.0, acc) + retake / self.regime.dwell) / bound.unit
 
     def _worker_lost(self, error: ProposerFailed) -> None:
         """auto_ssd: the worker died or stopped answering; auto goes on with the in-process draft."""
