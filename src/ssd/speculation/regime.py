@@ -36,8 +36,8 @@ runs the target on fewer threads (its first stint measured about 0.5x the local 
 AVX-512 host, and fixed SSD ran below SD in every equal-placement bench so far), so the regime
 that needs no setup serves first and the worker is explored from there. When that visit is due
 and the worker has not yet run a round, the caller predicts the worker regime by an upper bound
-(every round a cache hit, the target on the threads SSD rounds leave it, slowed as measured at start:
-SpeculativeStep._worker_bound), so a visit that cannot win is pruned like any other. Exactness does not depend on any of
+(every round a cache hit, the target on the threads SSD rounds leave it, slowed as measured at start,
+plus the worker's prefill of the contexts it is handed: SpeculativeStep._worker_bound), so a visit that cannot win is pruned like any other. Exactness does not depend on any of
 this: every round is verified by the same exact rejection sampling whichever proposer drafted it.
 """
 from __future__ import annotations
