@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from ssd.speculation import chooser
 from ssd.speculation.chooser import (OPTIMISTIC_ACCEPTANCE, AcceptanceEstimate, Chooser, CostModel, best_plan,
                                      expected_tokens, rate)
 
@@ -77,6 +78,37 @@ def test_a_draft_far_behind_is_charged_its_catch_up_over_the_rest_of_the_request
     assert best_plan([0.7], [4], m, behind=[0], remaining=[10]) != [0]
     assert best_plan([0.7], [4], m, behind=[200], remaining=[10]) == [0]     # 200 tokens for 10 more: no
     assert best_plan([0.7], [4], m, behind=[200], remaining=[5000]) != [0]   # for 5000 more: worth it
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_the_routine_lag_is_charged_in_every_round_it_is_paid(monkeypatch, control):
+    """After a fully accepted round the draft is one token behind (its last draft was never fed), and it
+    feeds that token in the next round's first step: every round pays it. Charged in full, the longer
+    draft wins; spread over the 500 tokens left (the control, as before), a round carries a fraction of
+    a percent of it and the shorter draft looks cheaper than it is."""
+    if control:
+        monkeypatch.setattr(chooser, "ROUTINE_LAG", 0)
+    m = model(b=0.05, c=0.1, d=0.1, e=0.1)
+    share = chooser.catch_up_share([4], [0.8], [1], [500])
+    assert share == pytest.approx(expected_tokens(0.8, 4) / 500 if control else 1.0)
+    assert chooser.catch_up_share([4], [0.8], [201], [500]) == pytest.approx(
+        (0 if control else 1) + (201 - (0 if control else 1)) * expected_tokens(0.8, 4) / 500)
+    assert best_plan([0.8], [4], m, behind=[1], remaining=[500]) == ([3] if control else [4])
+
+
+@pytest.mark.parametrize("hysteresis", [None, 0.03])
+def test_in_process_rounds_change_k_for_a_two_percent_gain(hysteresis):
+    """In-process rounds change K at no cost, so the default margin (1%) only damps plans the model cannot
+    tell apart: K=3 predicted 1.8% better than the K=2 in place replaces it. Control: the former 3%
+    margin keeps K=2 (auto kept its first K that way at batch 1 on code, 3-5% slower than SD k=2)."""
+    m = model(b=0.05, c=0.1, d=0.1, e=0.1)
+    assert best_plan([0.75], [4], m) == [3]
+    assert rate([3], [0.75], m) / rate([2], [0.75], m) == pytest.approx(1.018, abs=1e-3)
+    ch = Chooser(k=4) if hysteresis is None else Chooser(k=4, hysteresis=hysteresis)
+    ch.cost = m
+    ch.per_seq[1] = AcceptanceEstimate(0.75, strength=1e6)
+    ch.last[1] = 2
+    assert ch.plan([1], [4]) == ([2] if hysteresis else [3])
 
 
 def low_acceptance(ch: Chooser, *seq_ids: int, a: float = 0.1) -> Chooser:
