@@ -327,25 +327,25 @@ def all_hit_cost(local: CostModel, slowdown: float) -> CostModel:
     return m
 
 
-# Tokens a draft is behind as a matter of course: after a round that accepted all of its drafts, the last
-# draft token was never fed to the draft (it is fed with the next round's first step). That token is
-# paid in every such round, not once: it is charged in full, not spread over the request.
-ROUTINE_LAG = 1
-
-
 def catch_up_share(num_draft: list[int], acceptance: list[float], behind: list[int] | None,
                    remaining: list[int] | None) -> float:
-    """Catch-up tokens charged to one round: a draft that missed `behind` tokens pays them once when it
-    drafts again, which serves the rest of its request, so each round carries the share
-    behind / (rounds left at that draft length) = behind * E(a, K) / remaining; of those, the ROUTINE_LAG
-    in full. Spread too, the routine token (behind by 1 in 169 of 190 K=1 rounds at batch 1 on code,
-    2.2 ms of a 17 ms draft) was charged about 5% of its cost: every drafting plan looked that much
-    cheaper, the short ones the most."""
-    if not behind:
+    """Catch-up tokens charged to one round (`behind` given: the in-process draft, which can fall behind).
+    Two parts, for each sequence that drafts:
+
+    - what it already missed: `behind` tokens it pays once when it drafts again, which serves the rest of
+      its request, so each round carries the share behind / (rounds left at that draft length) =
+      behind * E(a, K) / remaining (a plain round leaves the same tokens to pay: this share is neutral
+      between them);
+    - the lag this plan leaves: a round that accepts all K drafts never fed the last one to the draft, so
+      the next drafting round feeds it first, a^K tokens expected. Drafting goes on after a drafting round,
+      so that token is paid, round after round: it is charged in full (spread over the request, it was
+      charged about 5% of its cost at batch 1 on code, where a K=1 draft was behind by it in 169 of 190
+      rounds, 2.2 ms of a 17 ms draft, and the short plans, which leave it most often, looked cheapest)."""
+    if behind is None:
         return 0.0
     rem = remaining or [1] * len(behind)
-    return sum(min(t, ROUTINE_LAG) + max(t - ROUTINE_LAG, 0) * min(1.0, expected_tokens(a, k) / max(r, 1))
-               for t, k, a, r in zip(behind, num_draft, acceptance, rem) if k > 0 and t > 0)
+    return sum(t * min(1.0, expected_tokens(a, k) / max(r, 1)) + a ** k
+               for t, k, a, r in zip(behind, num_draft, acceptance, rem) if k > 0)
 
 
 def rate(num_draft: list[int], acceptance: list[float], cost: CostModel, behind: list[int] | None = None,
