@@ -310,19 +310,76 @@ def test_the_requests_of_a_batch_take_turns_at_probes():
 @pytest.mark.parametrize("prior_rounds, drafts_after", [(None, True), (2.0, False)])
 def test_one_early_rejection_does_not_end_drafting_for_a_request(monkeypatch, prior_rounds, drafts_after):
     """The cost model auto measured for the default pair on 2 threads (draft step 34% of a target
-    step): with the request's prior worth 8 rounds, one rejection in its first round leaves drafting
-    on; the old prior (2 rounds, the control) turned it off for good, seen on HumanEval at batch 1.
-    (The prior alone, without exploration: see the exploration tests.)"""
+    step), on an engine that has measured its engine-wide acceptance well: with the request's prior
+    worth 8 rounds, one rejection in its first round leaves drafting on; the old prior (2 rounds, the
+    control) turned it off for good, seen on HumanEval at batch 1. (The prior alone, without
+    exploration: see the exploration tests; a fresh engine: see the next two tests.)"""
     import ssd.speculation.chooser as chooser_mod
 
     if prior_rounds is not None:
         monkeypatch.setattr(chooser_mod, "PRIOR_ROUNDS", prior_rounds)
     ch = Chooser(k=3, explore_z=0)
+    ch.global_acc = AcceptanceEstimate(0.6, strength=1e6)
     ch.cost = model(a=1.0, b=0.1, c=0.336, d=0.066, e=0.02)
     first = ch.plan([1], [3])
     assert first[0] >= 1
     ch._acc(1).observe(first[0], 0)               # the first draft token rejected
     assert (ch.plan([1], [3])[0] > 0) == drafts_after
+
+
+def test_prior_strength_adds_the_engine_wide_uncertainty():
+    """A request's prior is worth PRIOR_ROUNDS once the engine-wide rate is well measured, less while
+    it is not (a fresh engine's guess of 0.6 is worth 4 rounds: the prior about 2.2), never negative."""
+    from ssd.speculation.chooser import PRIOR_ROUNDS, prior_strength
+
+    assert prior_strength(1e12) == pytest.approx(PRIOR_ROUNDS)
+    assert prior_strength(4.0) == pytest.approx(1 / (1 / 9 + 1 / 5) - 1)
+    assert prior_strength(0.0) == 0.0 and prior_strength(-3.0) == 0.0
+    got = [prior_strength(e) for e in (0, 2, 4, 8, 30, 100, 1000)]
+    assert got == sorted(got) and got[-1] < PRIOR_ROUNDS
+
+
+def test_a_fresh_engines_request_with_one_early_rejection_is_still_drafted_for():
+    """On a fresh engine the prior is weak (2.2 rounds) and the first rejection pulls the request's
+    estimate to about 0.4, where one draft token does not pay at the estimate: exploration (on by
+    default) keeps drafting, since so little was measured. The control, without exploration, stops."""
+    for z, drafts in ((1.0, True), (0.0, False)):
+        ch = Chooser(k=3, explore_z=z)
+        ch.cost = measured_2_thread_cost()
+        first = ch.plan([1], [3], behind=[1], remaining=[60])
+        assert first[0] >= 1
+        ch._acc(1).observe(first[0], 0)
+        assert (ch.plan([1], [3], behind=[1], remaining=[60])[0] > 0) == drafts, z
+
+
+@pytest.mark.parametrize("full_prior", [False, True])
+def test_a_fresh_engines_first_request_reaches_longer_drafts_within_a_few_rounds(monkeypatch, full_prior):
+    """A fresh engine (engine-wide guess 0.6 on 4 rounds' worth) and a code request that accepts 0.9 per
+    token, 20 seeds: the request's estimate climbs past where two draft tokens pay within 2-3 rounds in
+    most seeds. The control gives the request the full 8-round prior at the unmeasured 0.6 (as before):
+    it drafted one token per round for 5 rounds or more in every seed (seen on the real engine: a fresh
+    engine's first HumanEval request at K=1 for about 10 rounds, its decode 0.90 of SD k=2's)."""
+    import ssd.speculation.chooser as chooser_mod
+
+    if full_prior:
+        monkeypatch.setattr(chooser_mod, "prior_strength", lambda evidence, between=None: chooser_mod.PRIOR_ROUNDS)
+    firsts = []
+    for seed in range(20):
+        ch = Chooser(k=4)
+        ch.cost = measured_2_thread_cost()
+        rng = random.Random(seed)
+        for r in range(30):
+            k = ch.plan([1], [4], behind=[1], remaining=[100])[0]
+            if k >= 2:
+                break
+            n = 0
+            while n < k and rng.random() < 0.9:
+                n += 1
+            ch._acc(1).observe(k, n)
+            ch.global_acc.observe(k, n, decay=0.99)
+        firsts.append(r)
+    firsts.sort()
+    assert (firsts[10] <= 3) == (not full_prior), firsts
 
 
 @pytest.mark.parametrize("fit", ["level_and_rows", "least_squares"])

@@ -380,6 +380,22 @@ def best_plan(acceptance: list[float], caps: list[int], cost: CostModel, behind:
 
 PRIOR_ROUNDS = 8.0
 
+
+def prior_strength(global_evidence: float, between: float | None = None) -> float:
+    """How many rounds of a new request's own evidence the engine-wide acceptance is worth as its prior.
+
+    A request's acceptance differs from the engine-wide rate (code 0.8-0.95, chat 0.4-0.65 with the
+    default pair): that spread alone is worth `between` rounds (PRIOR_ROUNDS; a weaker prior let the
+    first rejection, often in the very first round, drop a request that accepts 80% below the point
+    where drafting pays). The engine-wide rate is itself uncertain, `global_evidence` rounds' worth
+    (a fresh engine: its 0.6 guess, worth 4): the two variances add, so the prior is worth
+    1 / (1 / (between + 1) + 1 / (global_evidence + 1)) - 1 rounds, `between` once the engine has
+    measured much and about 2-4 on a fresh engine. With a full-strength 0.6 prior a fresh engine's first
+    code request drafted one token per round for 10-20 rounds while its estimate climbed to where two
+    paid (its decode ran at 0.81-0.90 of SD k=2)."""
+    between = PRIOR_ROUNDS if between is None else between
+    return max(1.0 / (1.0 / (between + 1.0) + 1.0 / (max(global_evidence, 0.0) + 1.0)) - 1.0, 0.0)
+
 # A probe of a draft far behind (see Chooser._catch_up_affordable) may cost at most this share of the
 # plain rounds left in its request.
 FAR_PROBE_SHARE = 0.1
@@ -485,10 +501,8 @@ class Chooser:
 
     def _acc(self, seq_id: int) -> AcceptanceEstimate:
         if seq_id not in self.per_seq:
-            # worth 8 rounds of evidence: a weaker prior let the first rejection (often in the very
-            # first round) drop a request that accepts 80% below the point where drafting pays, and
-            # a request that is not drafted for is never measured again but by the rare probes
-            self.per_seq[seq_id] = AcceptanceEstimate(self.global_acc.value, strength=PRIOR_ROUNDS)
+            g = self.global_acc
+            self.per_seq[seq_id] = AcceptanceEstimate(g.value, strength=prior_strength(g.acc + g.rej))
         return self.per_seq[seq_id]
 
     def acceptance(self, seq_ids: list[int]) -> list[float]:
