@@ -26,7 +26,7 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    "cost more than it saves)")
     g.add_argument("--device", default="cpu", help="cpu or cuda:N (default %(default)s)")
     g.add_argument("--draft-device", default=None, help="device of the draft (default: --device for sd; "
-                   "for ssd the worker's own CPU core, or cuda:N — not yet run on a GPU by our tests)")
+                   "for ssd the worker's own CPU core, or cuda:N — checked once on a GPU with tiny models only)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's default)")
     g.add_argument("--prefill-threads", type=int, default=None,
                    help="CPU threads for prompt prefill (default: --threads); with --mode ssd on a CPU, the "
