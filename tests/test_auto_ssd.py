@@ -184,6 +184,21 @@ def test_a_probe_stint_says_how_many_rounds_it_has_left():
     assert p.pick(1) == WORKER and p.probe_rounds_left() is None   # it lost: back, not a probe
 
 
+def test_leaving_an_unmeasured_regime_for_an_unmeasured_one_is_a_probe():
+    """The first stint end at a new batch size, after a stint spent at another one: neither regime has an
+    estimate here, the policy leaves the current one, and that first visit is a probe (so the local chooser
+    does not start catching the in-process draft up on whole prompts it will likely leave)."""
+    p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
+    run(p, {WORKER: 20.0, LOCAL: 10.0}, 4, batch=1)       # a stint at batch 1 only
+    assert p.pick(4) == LOCAL                             # batch 4: the worker is unmeasured here too
+    assert p.probe_rounds_left() == 4
+    # the control: going to a regime measured faster at this bucket is not a probe
+    q = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
+    q.rate[(LOCAL, 2)] = 30.0
+    run(q, {WORKER: 20.0, LOCAL: 10.0}, 4, batch=1)
+    assert q.pick(4) == LOCAL and q.probe_rounds_left() is None
+
+
 def test_batch_size_buckets_have_their_own_estimates():
     p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
     run(p, {WORKER: 10.0, LOCAL: 20.0}, 16, batch=1)

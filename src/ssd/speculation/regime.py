@@ -135,7 +135,12 @@ class RegimePolicy:
                     if (other, b) in self.calibration:
                         self.calibration[(other, b)] = (1.0 + self.calibration[(other, b)]) / 2
             elif better or missing or stale or promising:
-                if not better:
+                # a visit is a probe unless it goes to a regime measured faster here; leaving a regime not
+                # yet measured at this bucket (its stint ran at other batch sizes) for one not measured
+                # here either is a first visit too (paper placement, the first stint at batch 4 after
+                # batch 1 went local that way, not as a probe: its chooser then caught the in-process
+                # draft up on four whole prompts, 16 rounds at 10.6 tok/s where plain rounds ran 36)
+                if not better or theirs is None:
                     self._probing = b
                 self.current = other
                 self.switches += 1
