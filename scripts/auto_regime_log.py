@@ -7,7 +7,8 @@ calibrations, the predicted rate of each regime and the choice; every worker pre
 worker rounds' fits (target line, cache-hit rates, miss wait, retake price) it came from. It wraps
 RegimePolicy.pick / _close_stint and SpeculativeStep.predicted_rate, so it follows their signatures.
 """
-import sys, time
+import sys
+
 from ssd.speculation import regime as R
 from ssd.speculation import step as S
 orig_close = R.RegimePolicy._close_stint
@@ -21,8 +22,10 @@ def pick(self, batch_size, predict=None):
     cur = self.current; at_end = self.enabled and self._stint >= self.dwell
     preds = None
     if at_end and predict is not None:
-        try: preds = {r: (round(predict(r),1) if predict(r) else None) for r in (R.LOCAL, R.WORKER)}
-        except Exception as e: preds = str(e)
+        preds = {}
+        for r in (R.LOCAL, R.WORKER):
+            v = predict(r)
+            preds[r] = None if v is None else round(v, 1)
     out = orig_pick(self, batch_size, predict)
     if at_end:
         print(f"[regime] round {self.rounds} b={batch_size} {cur} -> {out} predict {preds} pruned {self.pruned} deferred {self.deferred} probing {self._probing}", file=sys.stderr, flush=True)
