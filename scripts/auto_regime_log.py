@@ -13,8 +13,8 @@ from ssd.speculation import regime as R
 from ssd.speculation import step as S
 orig_close = R.RegimePolicy._close_stint
 def close(self):
-    for b, (tok, sec) in self._acc.items():
-        print(f"[regime] round {self.rounds} close stint {self.current} bucket {b}: {tok:.0f} tok / {sec:.2f}s = {tok/max(sec,1e-9):.1f} tok/s; rates {dict((k, round(v,1)) for k,v in self.rate.items())} calib {dict((k, round(v,2)) for k,v in self.calibration.items())}", file=sys.stderr, flush=True)
+    for b, (tok, sec, *n) in self._acc.items():
+        print(f"[regime] round {self.rounds} close stint {self.current} bucket {b}: {tok:.0f} tok / {sec:.2f}s = {tok/max(sec,1e-9):.1f} tok/s in {n[0] if n else '?'} rounds; rates {dict((k, round(v,1)) for k,v in self.rate.items())} calib {dict((k, round(v,2)) for k,v in self.calibration.items())}", file=sys.stderr, flush=True)
     return orig_close(self)
 R.RegimePolicy._close_stint = close
 orig_pick = R.RegimePolicy.pick

@@ -199,6 +199,27 @@ def test_leaving_an_unmeasured_regime_for_an_unmeasured_one_is_a_probe():
     assert q.pick(4) == LOCAL and q.probe_rounds_left() is None
 
 
+@pytest.mark.parametrize("min_rounds, revisited", [
+    (None, True),   # default (dwell / 4 = 2 rounds): the one round is pooled, the worker stays unmeasured at 4
+    (1, False),     # the control: that round alone became the worker's estimate at batch 4, 5 tok/s
+])
+def test_a_stints_last_round_at_a_new_batch_size_is_not_an_estimate_alone(min_rounds, revisited):
+    """A stint's one round after the batch changed (the new prompts' hand-over in it) does not stand for the
+    regime at that batch size: the worker, measured 30 tok/s there in fact, is visited there."""
+    p = RegimePolicy(dwell=8, probe_every=1000, start=WORKER, min_rounds=min_rounds)
+    for _ in range(7):
+        p.pick(1)
+        p.observe(1, 10, 0.5)                    # 20 tok/s at batch 1
+    p.pick(4)
+    p.observe(4, 10, 2.0)                        # a batch of 4 arrives: one round with its hand-over
+    seq = run(p, {WORKER: 30.0, LOCAL: 20.0}, 24, batch=4)
+    assert (WORKER in seq) == revisited
+    if revisited:                                # the pooled round counts with the stint that measured it
+        assert 5.0 < p.rate[(WORKER, 2)] < 30.0
+    else:
+        assert p.rate[(WORKER, 2)] == pytest.approx(5.0)
+
+
 def test_batch_size_buckets_have_their_own_estimates():
     p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
     run(p, {WORKER: 10.0, LOCAL: 20.0}, 16, batch=1)
@@ -413,6 +434,16 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
             unsettled.extend(len(c._posted) for c in llm._clients if c._posted)
         return p
     monkeypatch.setattr(SpeculativeStep, "_pick_proposer", pick)
+    from ssd.speculation.chooser import CostModel
+    from ssd.speculation.worker.proposer import WorkerProposer
+    retakes, contexts = [], []       # tokens priced as the worker's prefill when handed sequences back ...
+    real_retake, real_propose = CostModel.observe_retake, WorkerProposer.propose
+    monkeypatch.setattr(CostModel, "observe_retake", lambda self, t, k, w: (retakes.append(t), real_retake(self, t, k, w)))
+
+    def propose(self, seqs, num_draft, verify_s=0.0):   # ... and the whole contexts it was handed
+        contexts.append(sum(len(s) for s in seqs if s.spec_state.detached))
+        return real_propose(self, seqs, num_draft, verify_s)
+    monkeypatch.setattr(WorkerProposer, "propose", propose)
     assert step.worker is not None
     try:
         outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -432,8 +463,10 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
         # the policy is offered both regimes' predicted rates once both are measured
         made = [p for p in getattr(step.regime, "predictions", []) if None not in p]
         assert made and all(a > 0 and b > 0 for a, b in made)
-        # the worker drops its sequences in local stints and is handed them back: the price is learned
+        # the worker drops its sequences in local stints and is handed them back: the price is learned,
+        # per token it prefills: not the prefix it still holds (the whole context, before 2026-12-06)
         assert w.retake_s.n > 2
+        assert 0 < sum(retakes) < sum(contexts)
     finally:
         llm.close()
 
@@ -462,6 +495,34 @@ def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monke
         assert [o.token_ids for o in outs] == ar_ref[:3]
         assert sum(calls) == (3 if apart else 0)
         assert llm.engine.spec_metrics().worker_rounds == 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("probe, eager", [(True, 3), (False, 0)])
+def test_a_prompt_that_arrives_in_a_probe_of_the_worker_is_prefilled_into_the_local_draft(monkeypatch, tiny_pair,
+                                                                                          ar_ref, probe, eager):
+    """The regime after a probe of the worker is most likely the local one again: a prompt arriving in the
+    probe is prefilled into the in-process draft too (where it would draft at all), so the local rounds
+    after it need not catch the draft up on the whole prompt. The control: in a worker stint that is not
+    a probe the in-process draft stays lazy."""
+    from ssd.speculation.chooser import Chooser
+
+    def stay(self, batch_size, predict=None):
+        self.rounds += 1
+        return self.current
+    monkeypatch.setattr(RegimePolicy, "pick", stay)
+    monkeypatch.setattr(Chooser, "would_speculate", lambda self, rows: True)
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=20)
+    step = llm.engine.step_impl
+    step.regime.current, step.regime._probing = WORKER, (0 if probe else None)
+    try:
+        outs = llm.generate(PROMPTS[:3], GREEDY)
+        assert [o.token_ids for o in outs] == ar_ref[:3]
+        m = llm.engine.spec_metrics()
+        assert m.eager_draft_prefills == eager and m.worker_rounds > 0
     finally:
         llm.close()
 

@@ -164,9 +164,9 @@ def test_handing_sequences_back_to_the_worker_is_priced_per_context_token():
 
 
 class _Seq:
-    def __init__(self, seq_id: int, tokens: int, detached: bool):
+    def __init__(self, seq_id: int, tokens: int, detached: bool, held: int = 0):
         from types import SimpleNamespace as NS
-        self.seq_id, self.tokens, self.spec_state = seq_id, tokens, NS(detached=detached)
+        self.seq_id, self.tokens, self.spec_state = seq_id, tokens, NS(detached=detached, worker_held=held)
 
     def __len__(self) -> int:
         return self.tokens
@@ -196,15 +196,16 @@ def _step(apart: bool):
 
 
 def test_a_worker_visit_is_predicted_with_the_prefill_of_the_contexts_handed_back():
-    """auto_ssd's prediction of a worker stint: the worker rounds' fits, plus the prefill of the contexts
-    the worker does not hold (they arrived or were handed back in local stints), spread over the stint.
-    The control: sequences the worker holds cost nothing to hand back."""
+    """auto_ssd's prediction of a worker stint: the worker rounds' fits, plus the prefill of what the worker
+    does not hold of the contexts (prompts that arrived in local stints; of a sequence it dropped in one,
+    the tokens beyond the prefix it still has cached), spread over the stint. The control: sequences the
+    worker holds cost nothing to hand back."""
     from ssd.speculation.chooser import expected_tokens
     from ssd.speculation.step import SpeculativeStep
 
     step = _step(apart=False)
     wait = step.worker_chooser.cost.worker
-    wait.retake_s.value = 0.01                              # units per context token
+    wait.retake_s.value = 0.01                              # units per token it prefills
     held = [_Seq(i, 300, False) for i in range(4)]
     back = [_Seq(i, 300, True) for i in range(4)]
     cost, acc = step.worker_chooser.cost, step.worker_chooser.acceptance([0, 1, 2, 3])
@@ -213,6 +214,9 @@ def test_a_worker_visit_is_predicted_with_the_prefill_of_the_contexts_handed_bac
     assert SpeculativeStep.predicted_rate(step, held, "worker") == pytest.approx(tokens / per_round / 0.2)
     assert SpeculativeStep.predicted_rate(step, back, "worker") == pytest.approx(
         tokens / (per_round + 0.01 * 1200 / 16) / 0.2)
+    dropped = [_Seq(i, 300, True, held=280) for i in range(4)]   # 20 tokens each committed since the drop
+    assert SpeculativeStep.predicted_rate(step, dropped, "worker") == pytest.approx(
+        tokens / (per_round + 0.01 * 80 / 16) / 0.2)
 
 
 def test_the_bound_on_a_first_worker_visit_prices_the_prefill_of_the_contexts_it_is_handed():

@@ -68,6 +68,8 @@ class SpecState:
     bonus: int | None = None        # reported to the worker with the next request
     num_draft: int = 0              # SSD: tokens the last round's speculation had (0: no speculation)
     detached: bool = False          # SSD: the worker does not hold this sequence (re-added before drafting)
+    worker_held: int = 0            # SSD, while detached: its first tokens still prefix-cached on the worker
+                                    # (dropped by a local stint: it prefills only the rest when re-added)
     cache_hits: int = 0             # SSD: rounds served from the speculation cache
 
 

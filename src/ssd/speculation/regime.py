@@ -6,7 +6,8 @@ The two regimes cannot be compared by a cost model fitted in one of them (SSD's 
 cache hits, the worker's slack and on the target having fewer cores), so both are measured: a
 regime runs for a stint of `dwell` rounds, and a stint's rate (committed tokens / its wall time,
 switching costs included: the worker catching up, the first rounds with nothing pre-drafted) updates
-that regime's estimate for the batch-size bucket it ran at. After a stint the policy switches when
+that regime's estimate for the batch-size bucket it ran at (once `min_rounds` rounds there, pooled over
+stints, have measured it). After a stint the policy switches when
 the other regime is estimated `hysteresis` faster, or when its estimate is missing or older than
 `probe_every` rounds (exploration), or, before that, when the model now predicts the other
 regime (scaled by its calibration, below) clearly faster than the current one measures (`early`:
@@ -57,7 +58,7 @@ def bucket(batch_size: int) -> int:
 class RegimePolicy:
     def __init__(self, dwell: int = 16, probe_every: int = 128, hysteresis: float = 0.05, alpha: float = 0.5,
                  start: str = WORKER, max_probe_every: int = 1024, prune: float = 0.1,
-                 worker_waits: bool = False):
+                 worker_waits: bool = False, min_rounds: int | None = None):
         if dwell < 1 or probe_every < dwell or max_probe_every < probe_every:
             raise ValueError("dwell >= 1 and dwell <= probe_every <= max_probe_every are required")
         self.dwell, self.probe_every, self.hysteresis, self.alpha = dwell, probe_every, hysteresis, alpha
@@ -68,7 +69,12 @@ class RegimePolicy:
         self.enabled = True              # False once the worker is gone: local from then on
         self.rounds = 0                  # rounds decided so far
         self._stint = 0                  # rounds in the current stint
-        self._acc: dict[int, list[float]] = {}           # bucket -> [tokens, seconds] of this stint
+        self._acc: dict[int, list[float]] = {}           # bucket -> [tokens, seconds, rounds] of this stint
+        # a regime's estimate at a bucket moves only on at least `min_rounds` rounds there: a stint's share
+        # of fewer (the 1-3 rounds it ran after the batch changed) is pooled with the regime's next shares
+        # there (see _close_stint)
+        self.min_rounds = max(1, dwell // 4) if min_rounds is None else max(1, min_rounds)
+        self._pending: dict[tuple[str, int], list[float]] = {}  # (regime, bucket) -> pooled [tokens, seconds, rounds]
         self.rate: dict[tuple[str, int], float] = {}     # (regime, bucket) -> tokens/s estimate
         self.seen: dict[tuple[str, int], int] = {}       # (regime, bucket) -> round it was last measured
         self.switches = 0
@@ -170,7 +176,7 @@ class RegimePolicy:
         regime's 21)."""
         if predict is None or not self._acc:
             return
-        b, (tokens, seconds) = max(self._acc.items(), key=lambda kv: kv[1][1])   # where the stint spent most
+        b, (tokens, seconds, _) = max(self._acc.items(), key=lambda kv: kv[1][1])   # where the stint spent most
         guess = predict(self.current)
         if guess is None or guess <= 0 or seconds <= 0:
             return
@@ -202,17 +208,28 @@ class RegimePolicy:
 
     def observe(self, batch_size: int, tokens: int, seconds: float) -> None:
         """The round just run (in `self.current`) committed `tokens` in `seconds`."""
-        acc = self._acc.setdefault(bucket(batch_size), [0.0, 0.0])
+        acc = self._acc.setdefault(bucket(batch_size), [0.0, 0.0, 0])
         acc[0] += tokens
         acc[1] += seconds
+        acc[2] += 1
         self._stint += 1
 
     def _close_stint(self) -> None:
-        for b, (tokens, seconds) in self._acc.items():
-            if seconds <= 0:
-                continue
-            r = tokens / seconds
+        """The stint's share at each bucket updates the regime's estimate there, once it (pooled with earlier
+        shares too short to count) spans `min_rounds` rounds. A share of one to three rounds, run after the
+        batch changed at the end of a stint, includes the hand-over of the new prompts: as a first estimate
+        (paper placement, 11 tokens in 0.50 s: 22 tok/s where the worker then ran 34) it stood for the
+        regime at that batch size until its next measurement."""
+        for b, (tokens, seconds, rounds) in self._acc.items():
             key = (self.current, b)
+            pool = self._pending.setdefault(key, [0.0, 0.0, 0])
+            pool[0] += tokens
+            pool[1] += seconds
+            pool[2] += rounds
+            if pool[2] < self.min_rounds or pool[1] <= 0:
+                continue
+            del self._pending[key]
+            r = pool[0] / pool[1]
             old = self.rate.get(key)
             self.rate[key] = r if old is None else (1 - self.alpha) * old + self.alpha * r
             self.seen[key] = self.rounds

@@ -35,6 +35,13 @@ _MISS = (Source.NEURAL, Source.PARTIAL, Source.FAST)
 log = logging.getLogger(__name__)
 
 
+def retake_tokens(seqs: list[Sequence]) -> int:
+    """Tokens the worker must prefill before it drafts for these sequences: of each one it does not hold,
+    the context beyond the prefix it still has cached (`worker_held`: all of it for a prompt it never saw,
+    the tokens committed since for one dropped by a local stint)."""
+    return sum(len(s) - min(s.spec_state.worker_held, len(s)) for s in seqs if s.spec_state.detached)
+
+
 class SpeculativeStep:
     def __init__(self, target: ModelRunner, proposer: Proposer, k: int, counters: SpecCounters, tracer,
                  on_failure=None, chooser: Chooser | None = None):
@@ -109,9 +116,12 @@ class SpeculativeStep:
                 pass             # SSD: detached below, so the worker takes them at its first round
             elif getattr(self.proposer, "lazy", False):
                 # auto: prefill the in-process draft now (as SD does) when its rounds are the current
-                # regime and would draft for a batch this size; a lazy draft would feed the whole
-                # prompt in its first rounds, and a short probe of the local regime never repays that
-                eager = not worker_now and self.chooser is not None and \
+                # regime, or will most likely be at the end of a probe of the worker, and would draft for
+                # a batch this size; a lazy draft would feed the whole prompt in its first rounds, which
+                # neither a short request nor a short probe of the local regime repays (equal placement:
+                # a prompt that arrived in a worker probe then ran 100% plain rounds after it, 0.56x SD)
+                back_soon = worker_now and self.regime.probe_rounds_left() is not None
+                eager = (not worker_now or back_soon) and self.chooser is not None and \
                     self.chooser.would_speculate(max(self.batch_rows(), len(seqs)))
                 self.counters.eager_draft_prefills += len(seqs) if eager else 0
                 t0 = time.perf_counter()
@@ -130,7 +140,7 @@ class SpeculativeStep:
                 attach = False
         if handed_later or self.worker is not None and not attach:
             for s in seqs:       # the worker takes a sequence (with its whole context) when it first drafts for it
-                s.spec_state.detached = True
+                s.spec_state.detached, s.spec_state.worker_held = True, 0
         with self.tracer.span("target", "prefill"):
             prefill_and_sample(self.target, seqs)
         if not handed_later:
@@ -179,8 +189,9 @@ class SpeculativeStep:
         """auto_ssd: tokens/s of the best plan for `seqs` in a visit of that regime, or None while the
         rounds it is fitted from have not measured enough. A visit is a stint of `dwell` rounds; its
         switching cost is spread over that stint only (as in a probe): the in-process draft's catch-up on
-        what it missed, or the worker's prefill of the contexts it does not hold (sequences that arrived
-        or were handed back in local stints where the target had its cores).
+        what it missed, or the worker's prefill of what it does not hold of the contexts (`retake_tokens`:
+        prompts that arrived in local stints where the target had its cores, the tokens committed since
+        it dropped a sequence in a local stint).
 
         The worker regime is predicted from the worker rounds' fits (the target's line at the threads it
         has in SSD rounds, the cache hits and the miss wait). The local regime, where the worker is on
@@ -198,7 +209,7 @@ class SpeculativeStep:
                 return self._worker_bound(seqs, acc, caps)
             plan = best_plan(acc, caps, cost, floor=1)
             tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
-            retake = wait.retake_s.value * sum(len(s) for s in seqs if s.spec_state.detached)
+            retake = wait.retake_s.value * retake_tokens(seqs)
             return tokens / (cost.time_s(plan, 0.0, acc) + retake / dwell) / cost.unit
         behind = self.proposer.behind(seqs)
         local = self.chooser.cost
@@ -238,7 +249,7 @@ class SpeculativeStep:
         tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
         retake = 0.0
         if self.draft_prefill_per_token is not None:
-            context = sum(len(s) for s in seqs if s.spec_state.detached)
+            context = retake_tokens(seqs)
             retake = self.draft_prefill_per_token * self.thread_slowdown * context / local.unit
         return tokens / (bound.time_s(plan, 0.0, acc) + retake / self.regime.dwell) / bound.unit
 
@@ -270,7 +281,7 @@ class SpeculativeStep:
             if local and not any(num_draft):
                 return self._plain_round(seqs)
         # the worker first prefills the contexts it does not hold
-        retaken = sum(len(s) for s in seqs if s.spec_state.detached) if not local else 0
+        retaken = retake_tokens(seqs) if not local else 0
         t0 = time.perf_counter()
         proposal = None
         try:

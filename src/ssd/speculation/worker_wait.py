@@ -16,7 +16,8 @@ which a chooser that priced worker drafting at zero could not see.
 
 A round in which the worker first takes back sequences it does not hold (auto_ssd after a local stint
 in which the target had the worker's cores) also waits for the worker to prefill their contexts:
-`retake_s` per context token, measured from such rounds (the round's expected miss wait taken off).
+`retake_s` per token it prefills (the context beyond the prefix it still holds: see step.retake_tokens),
+measured from such rounds (the round's expected miss wait taken off).
 
 All these quantities are measured from the rounds auto runs anyway (running means that turn into
 exponential averages), starting from priors in units of the cost model (see chooser.UNIT_ROUNDS).

@@ -103,7 +103,7 @@ class WorkerProposer:
     def _attached(s: Sequence, bonus: int) -> None:
         """The worker holds every token of `s` but the last: report it as outcome (0 accepted, bonus)."""
         st = s.spec_state
-        st.accepted, st.bonus, st.num_draft, st.detached = 0, bonus, 0, False
+        st.accepted, st.bonus, st.num_draft, st.detached, st.worker_held = 0, bonus, 0, False, 0
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], verify_s: float = 0.0) -> Proposal:
         self._hand_over(seqs)
@@ -143,14 +143,14 @@ class WorkerProposer:
         tokens, probs, sources = [], [], []
         for r, n, s in zip(replies, num_draft, seqs):
             if r is None:                       # its worker failed this round: no draft, moved next round
-                s.spec_state.detached = True
+                s.spec_state.detached, s.spec_state.worker_held = True, 0
                 tokens.append([])
                 probs.append(None)
                 sources.append(int(m.Source.NONE))
                 continue
             toks, q = r.tokens[:n], None if r.probs is None else r.probs[:n]   # trust, but check the length
             if r.source == m.Source.NO_ROOM:
-                s.spec_state.detached = True        # the worker dropped it: re-added next round
+                s.spec_state.detached, s.spec_state.worker_held = True, 0   # dropped: re-added next round
             tokens.append(toks)
             probs.append(q)
             sources.append(int(r.source))
@@ -183,6 +183,9 @@ class WorkerProposer:
         gone = [s for s in seqs if not s.spec_state.detached]
         for s in gone:
             s.spec_state.detached = True
+            # it has committed all but the last round's outcome (accepted drafts and bonus), which it was
+            # to learn with the next request; its prefix cache keeps whole blocks of that
+            s.spec_state.worker_held = max(len(s) - 1 - s.spec_state.accepted, 0)
         self._free(gone)
 
     def settle(self) -> None:
