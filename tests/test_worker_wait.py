@@ -136,9 +136,9 @@ def test_a_longer_ask_than_the_last_teaches_neither_hit_rates_nor_the_miss_wait(
     assert observe(2, 3) == (prior[0], prior[1] - 1)     # grown: neither
 
 
-def test_handing_sequences_back_to_the_worker_is_priced_per_context_token():
-    """A worker round that first prefills contexts it does not hold teaches the price per context token,
-    net of the round's miss wait; it does not teach the miss wait (the control: the same round without
+def test_handing_sequences_back_to_the_worker_is_priced_per_token_it_prefills():
+    """A worker round that first prefills what it does not hold of the contexts teaches the price per
+    token prefilled, net of the round's miss wait; it does not teach the miss wait (the control: the same round without
     a hand-back does)."""
     from types import SimpleNamespace as NS
 
