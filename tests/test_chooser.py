@@ -203,26 +203,28 @@ def test_would_speculate_follows_the_cost_model_and_the_batch_size():
     assert not ch.would_speculate(0)
 
 
-def test_a_chooser_that_has_not_drafted_for_long_prefills_the_draft_again():
-    """With every request's draft lazy, nothing is measured and the estimates that made them lazy never
-    move: after STALE_ROUNDS rounds without a draft the next prefill is eager anyway, once per such
-    stretch. The control: a chooser that drafted recently follows its cost model (no)."""
+def test_a_chooser_that_has_not_drafted_for_long_prefills_the_draft_again_and_probes_it():
+    """With a cost model that says drafting never pays (fitted on a cold warm-up) every request's draft is
+    lazy, too far behind for a probe, and ordinary probes run only where drafting could pay: nothing is
+    measured and the estimates never move. After STALE_ROUNDS rounds without a draft the next prefill is
+    eager anyway (once per such stretch) and a sequence with a near draft gets one draft token whatever
+    the model says. The control: before that, the chooser follows its cost model (no, and plain)."""
     ch = Chooser(k=4)
     ch.global_acc = AcceptanceEstimate(0.6, strength=1e6)
     ch.per_seq[1] = AcceptanceEstimate(0.6, strength=1e6)    # measured well: no exploration
-    ch.cost = model(b=1.0)                                # every row costs a whole step: never drafts
-    ch.observe([1], [1], [0], 0.01, 0.1)                  # it drafted (once) at round 0
+    ch.cost = model(b=1.0, c=5.0)                         # a draft step dearer than five forwards: never
     lazy = dict(behind=[1000], remaining=[64])           # a lazy draft, its prompt too far to probe
     for _ in range(chooser.STALE_ROUNDS):
         assert ch.plan([1], [4], **lazy) == [0]
         ch.observe([1], [0], [0], 0.0, 0.1)
         assert not ch.would_speculate(1)                  # the control: not yet stale
-    ch.plan([1], [4], **lazy)
-    assert ch.would_speculate(1)                          # stale: prefill this one
+    assert ch.plan([1], [4], **lazy) == [0]               # stale, but the draft is too far to probe
+    ch.observe([1], [0], [0], 0.0, 0.1)
+    assert ch.would_speculate(1)                          # stale: prefill the next request's draft
     assert not ch.would_speculate(1)                      # once per stretch
-    ch.observe([1], [1], [1], 0.01, 0.1)                  # a probe drafted: the clock restarts
-    ch.plan([1], [4])
-    assert not ch.would_speculate(1)
+    assert ch.plan([2], [4], behind=[0], remaining=[64]) == [1]   # its draft is near: one token, measured
+    assert ch.cost.draft_coefficients()[0] / ch.cost.level() == pytest.approx(0.3)   # from the prior again
+    assert not ch.would_speculate(1)                      # it drafted: no longer stale
 
 
 def test_a_chooser_that_always_drafts_runs_a_plain_round_now_and_then_and_resumes():

@@ -248,6 +248,10 @@ class CostModel:
         an MT-Bench set plain (equal placement, batch 1, AVX-512 host), where SD k=2 is 1.17x AR."""
         return max(self.target.a, 1e-3) if isinstance(self.target, TargetLine) else 1.0
 
+    def forget_draft(self) -> None:
+        """Back to the priors of the in-process draft's costs (see Chooser._stale_probe)."""
+        self.draft = RLS([0.3, 0.03, CATCH_UP_PRIOR])
+
     def set_draft(self, step: float, row: float, catch_up: float) -> None:
         """The draft's costs per step, per row and per catch-up token, in units at the current level."""
         lv = self.level()
@@ -409,9 +413,11 @@ FAR_PROBE_SHARE = 0.1
 OPTIMISTIC_ACCEPTANCE = 0.95
 
 # A chooser that has not drafted for this many rounds prefills the next requests' draft anyway
-# (would_speculate): a lazy draft is behind by its whole prompt, too far for a probe or an exploration to
-# be affordable, so with every request lazy nothing is measured again and the estimates that made them
-# lazy never move. Seen: in an equal-placement grid the engine-wide acceptance stood at 0.48 from the
+# (would_speculate) and drafts one token for a sequence whose draft is near, whatever its cost model
+# predicts (Chooser._stale_probe): a lazy draft is behind by its whole prompt, too far for a probe or an
+# exploration to be affordable, and an ordinary probe runs only where the model says drafting could pay,
+# so with a model that says it never does (fitted on a cold 8-token warm-up) nothing is measured again
+# and the estimates that keep every round plain never move. Seen: in an equal-placement grid the engine-wide acceptance stood at 0.48 from the
 # first request on (after the 8-token warm-up) and auto ran every round of the run plain (batch 1:
 # 0.78-0.91x SD k=2), where the previous run of the same settings drafted in 72-95% of its batch-1 rounds.
 # The cost: at most one batch's draft prefill per so many rounds.
@@ -501,7 +507,8 @@ class Chooser:
         self.per_seq: dict[int, AcceptanceEstimate] = other.per_seq if other else {}
         self.last: dict[int, int] = {}
         self.rounds = 0
-        self.drafted_at = 0             # the last round it drafted, or asked for a prefill as stale (would_speculate)
+        self.drafted_at = 0             # the last round it planned a draft for (see STALE_ROUNDS)
+        self.stale_prefill_at = 0       # the last round would_speculate said yes for staleness alone
         self.predicted_tokens = 0.0     # of the last plan: expected tokens and predicted seconds
         self.predicted_s = 0.0
         self.plain_probes = 0
@@ -534,6 +541,8 @@ class Chooser:
         explored = self._explore(seq_ids, new, caps, behind, remaining) if self.explore_z > 0 else 0
         if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
             self._probe(seq_ids, new, acc, caps, behind, remaining)
+        if not any(new) and self.rounds - self.drafted_at > STALE_ROUNDS:
+            self._stale_probe(seq_ids, new, caps, behind)
         self.last.update(zip(seq_ids, new))     # a plain probe below does not become the plan to keep
         n = self.plain_probe_every
         if n and self.rounds % n == self.plain_probe_at and self.rounds % self.probe_every and any(new):
@@ -541,6 +550,8 @@ class Chooser:
             self.plain_probes += 1
         else:
             self.explorations += explored
+        if any(new):
+            self.drafted_at = self.rounds
         self.predicted_tokens = sum(expected_tokens(a, k) for a, k in zip(acc, new))
         catch = sum(t for t, k in zip(behind, new) if k > 0)
         self.predicted_s = self.cost.time_s(new, catch, acc) * (self.cost.unit or 0.0)
@@ -583,6 +594,21 @@ class Chooser:
         else:
             self.probes_skipped += 1
 
+    def _stale_probe(self, seq_ids: list[int], plan: list[int], caps: list[int], behind: list[int]) -> None:
+        """One draft token, whether or not the cost model expects it to pay, for a sequence whose draft is
+        near (not a lazy one): after STALE_ROUNDS rounds without a draft the estimates that keep every
+        round plain (the draft's cost, from its priors again; the acceptance; the price of extra rows)
+        are measured again."""
+        near = [b for b, c in enumerate(caps) if c > 0 and behind[b] <= self.probe_every]
+        if near:
+            # the draft's fitted costs go back to their priors: one measurement moves a fit that says a
+            # step costs five forwards only to 4.3 (a forced cold fit, default pair, equal placement)
+            self.cost.forget_draft()
+            b = min(near, key=lambda i: self._probed.get(seq_ids[i], -1))
+            self._probed[seq_ids[b]] = self.rounds
+            plan[b] = 1
+            self.probes += 1
+
     def _catch_up_affordable(self, b: int, rows: int, behind: list[int], remaining: list[int] | None) -> bool:
         """A probe of a draft further behind than the rounds between probes (a lazy draft that never took
         its prompt) pays a long catch-up before it learns anything; where the request then turns out not
@@ -612,16 +638,14 @@ class Chooser:
         without drafting, so the estimates that say no are measured again."""
         if rows < 1:
             return False
-        if self.rounds - self.drafted_at > STALE_ROUNDS:
-            self.drafted_at = self.rounds       # at most one such prefill per STALE_ROUNDS rounds
+        if self.rounds - max(self.drafted_at, self.stale_prefill_at) > STALE_ROUNDS:
+            self.stale_prefill_at = self.rounds     # at most one such prefill per STALE_ROUNDS rounds
             return True
         a = self.global_acc.upper(self.explore_z) if self.explore_z > 0 else self.global_acc.value
         return any(best_plan([a] * rows, [self.k] * rows, self.cost))
 
     def observe(self, seq_ids: list[int], num_draft: list[int], accepted: list[int], draft_s: float,
                 target_s: float, caught_up: int = 0) -> None:
-        if any(num_draft):
-            self.drafted_at = self.rounds
         self.cost.observe_target(sum(k + 1 for k in num_draft), target_s)
         self.cost.observe_draft(num_draft, draft_s, caught_up)
         for i, k, n in zip(seq_ids, num_draft, accepted):
