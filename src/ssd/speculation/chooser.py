@@ -414,13 +414,13 @@ OPTIMISTIC_ACCEPTANCE = 0.95
 
 # A chooser that has not drafted for this many rounds prefills the next requests' draft anyway
 # (would_speculate) and drafts one token for a sequence whose draft is near, whatever its cost model
-# predicts (Chooser._stale_probe): a lazy draft is behind by its whole prompt, too far for a probe or an
-# exploration to be affordable, and an ordinary probe runs only where the model says drafting could pay,
-# so with a model that says it never does (fitted on a cold 8-token warm-up) nothing is measured again
-# and the estimates that keep every round plain never move. Seen: in an equal-placement grid the engine-wide acceptance stood at 0.48 from the
-# first request on (after the 8-token warm-up) and auto ran every round of the run plain (batch 1:
-# 0.78-0.91x SD k=2), where the previous run of the same settings drafted in 72-95% of its batch-1 rounds.
-# The cost: at most one batch's draft prefill per so many rounds.
+# predicts, with the draft's fitted costs back at their priors (Chooser._stale_probe): a lazy draft is
+# behind by its whole prompt, too far for a probe or an exploration to be affordable, and an ordinary
+# probe runs only where the model says drafting could pay, so with a model that says it never does
+# (fitted on the 8-token warm-up) nothing is measured again. Seen twice in a row in equal-placement
+# grids: auto ran every batch-1 HumanEval round plain from the first request on (0.89-0.91x SD), where
+# the previous run of the same settings drafted in 72-95% of its batch-1 rounds. The cost: at most one
+# batch's draft prefill and one draft token per so many rounds, and a few rounds at the draft's priors.
 STALE_ROUNDS = 64
 
 # A request the plan leaves without drafts is drafted for (one token) while drafting would pay at its
