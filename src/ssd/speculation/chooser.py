@@ -586,13 +586,19 @@ class Chooser:
                 if k == 0 and c > 0 and (limit is None or behind[b] <= limit)]
         if not idle:
             return
-        b = min(idle, key=lambda i: self._probed.get(seq_ids[i], -1))
-        self._probed[seq_ids[b]] = self.rounds
+        b = self._next_to_probe(seq_ids, idle)
         if self.could_pay(b, acc, caps, behind, remaining) and self._catch_up_affordable(b, len(plan), behind, remaining):
             plan[b] = 1
             self.probes += 1
         else:
             self.probes_skipped += 1
+
+    def _next_to_probe(self, seq_ids: list[int], candidates: list[int]) -> int:
+        """Of these batch rows, the one whose sequence was probed longest ago (so one request does not take
+        every probe of a batch); it is marked probed now."""
+        b = min(candidates, key=lambda i: self._probed.get(seq_ids[i], -1))
+        self._probed[seq_ids[b]] = self.rounds
+        return b
 
     def _stale_probe(self, seq_ids: list[int], plan: list[int], caps: list[int], behind: list[int]) -> None:
         """One draft token, whether or not the cost model expects it to pay, for a sequence whose draft is
@@ -604,9 +610,7 @@ class Chooser:
             # the draft's fitted costs go back to their priors: one measurement moves a fit that says a
             # step costs five forwards only to 4.3 (a forced cold fit, default pair, equal placement)
             self.cost.forget_draft()
-            b = min(near, key=lambda i: self._probed.get(seq_ids[i], -1))
-            self._probed[seq_ids[b]] = self.rounds
-            plan[b] = 1
+            plan[self._next_to_probe(seq_ids, near)] = 1
             self.probes += 1
 
     def _catch_up_affordable(self, b: int, rows: int, behind: list[int], remaining: list[int] | None) -> bool:
