@@ -499,6 +499,48 @@ def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monke
         llm.close()
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_worker_on_cores_of_its_own_is_kept_in_step_in_local_stints(monkeypatch, tiny_pair, ar_ref, keep):
+    """Where the worker's cores idle in local rounds, it prefills each whole block the local rounds commit,
+    so the hand-over to it after a local stint of 40 plain rounds prefills at most a partial block and the
+    last round's token per sequence; every token equals AR's. The control: without keep_in_step the hand-over prefills all the local rounds
+    committed."""
+    from ssd.speculation.chooser import CostModel
+    from ssd.speculation.worker.proposer import WorkerProposer
+
+    def stint(self, batch_size, predict=None):
+        self.rounds += 1
+        self.current = LOCAL if self.rounds <= 40 else WORKER
+        return self.current
+    monkeypatch.setattr(RegimePolicy, "pick", stint)
+    if not keep:
+        monkeypatch.setattr(WorkerProposer, "keep_in_step", lambda self, seqs: 0)
+    retakes = []
+    real_retake = CostModel.observe_retake
+    monkeypatch.setattr(CostModel, "observe_retake", lambda self, t, k, w: (retakes.append(t), real_retake(self, t, k, w)))
+    target, draft = tiny_pair
+    llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
+              kv_cache_gb=0.05, worker_timeout_s=20)
+    step = llm.engine.step_impl
+    step.regime.current, step.worker_prefills_always, step.thread_split = LOCAL, True, None
+    step.prefill_on_worker_cores = False
+    step.chooser.plan = lambda seq_ids, caps, behind=None, remaining=None: [0] * len(seq_ids)   # 1 token a round
+    try:
+        n = 64
+        outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        ref = LLM(str(target), dtype="float32", progress=False).generate(
+            PROMPTS[:3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        m = llm.engine.spec_metrics()
+        assert m.worker_rounds > 0 and len(retakes) == 1    # one hand-over, after the local stint
+        if keep:
+            assert m.worker_kept_in_step >= 3 * 32 and retakes[0] <= 3 * 17
+        else:
+            assert m.worker_kept_in_step == 0 and retakes[0] >= 3 * 40
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("probe, eager", [(True, 3), (False, 0)])
 def test_a_prompt_that_arrives_in_a_probe_of_the_worker_is_prefilled_into_the_local_draft(monkeypatch, tiny_pair,
                                                                                           ar_ref, probe, eager):

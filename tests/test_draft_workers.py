@@ -166,6 +166,73 @@ def test_a_worker_dying_during_a_hand_over_moves_everything_it_had_taken():
     assert prop.assign.loads == [0, 4]
 
 
+class Recording(FakeWorker):
+    """A fake worker with a block size that records what it is sent."""
+
+    def __init__(self, block_size: int):
+        from types import SimpleNamespace
+
+        super().__init__()
+        self.config, self.adds = SimpleNamespace(block_size=block_size), []
+
+    def add(self, msg):
+        super().add(msg)
+        self.adds.append((msg.seq_id, list(msg.tokens)))
+
+
+class GrowingSeq:
+    def __init__(self, seq_id: int, n: int):
+        from types import SimpleNamespace
+
+        from ssd.engine.sequence import SpecState
+
+        self.seq_id, self.params, self.spec_state = seq_id, SimpleNamespace(seed=1, temperature=0.0, top_k=0,
+                                                                            top_p=1.0), SpecState()
+        self.all_token_ids = list(range(100 * seq_id, 100 * seq_id + n))
+
+    @property
+    def output_token_ids(self):
+        return self.all_token_ids[-1:]
+
+    def grow(self, n: int) -> None:
+        self.all_token_ids += [7] * n
+
+    def __len__(self):
+        return len(self.all_token_ids)
+
+
+def test_keeping_a_worker_in_step_sends_each_new_whole_block_once_and_drops_it_again():
+    """Local stints in which the worker's cores would idle: a sequence it dropped is added again with its
+    whole blocks of context once one more is complete, and dropped again (it holds nothing it would
+    pre-draft for), so handing the sequence back prefills at most the last partial block. The control:
+    a sequence that did not grow a block is not sent, and its hand-over prefills all it committed."""
+    from ssd.speculation.step import retake_tokens
+    from ssd.speculation.worker.proposer import WorkerProposer
+
+    w = Recording(block_size=4)
+    prop = WorkerProposer([w])
+    seqs = [GrowingSeq(0, 6), GrowingSeq(1, 6)]
+    prop.prefill(seqs)
+    prop.after_prefill(seqs)
+    assert prop.keep_in_step(seqs) == 0 and len(w.adds) == 2        # held by the worker: nothing to send
+    prop.skip(seqs)                     # a local stint: dropped, holding 5 tokens (one whole block of 4)
+    assert w.held == set() and [s.spec_state.worker_held for s in seqs] == [5, 5]
+    assert prop.keep_in_step(seqs) == 0
+    seqs[0].grow(4)                     # 10 tokens: blocks 0-1 whole, besides the last token
+    assert prop.keep_in_step(seqs) == 4
+    assert w.adds[-1] == (0, seqs[0].all_token_ids[:8]) and w.held == set()
+    assert prop.keep_in_step(seqs) == 0                 # sent once
+    seqs[0].grow(9)
+    seqs[1].grow(9)
+    assert prop.keep_in_step(seqs) == 8 + 8             # seq 0: 8 -> 16; seq 1: 4 -> 12
+    assert [s.spec_state.worker_held for s in seqs] == [16, 12] and w.held == set()
+    assert retake_tokens(seqs[:1]) == 19 - 16 and retake_tokens(seqs[1:]) == 15 - 12
+    seqs[1].grow(1)                     # the control: no new whole block (16 tokens, the last not counted)
+    assert prop.keep_in_step(seqs[1:]) == 0 and retake_tokens(seqs[1:]) == 16 - 12
+    out = prop.propose(seqs, [1, 1])    # the hand-over: both added again with all but their last token
+    assert out.tokens == [[7], [7]] and w.adds[-2:] == [(0, seqs[0].all_token_ids[:-1]), (1, seqs[1].all_token_ids[:-1])]
+
+
 def test_workers_failing_in_every_phase_end_in_proposer_failed():
     from ssd.speculation.proposer import ProposerFailed
     from ssd.speculation.worker.proposer import WorkerProposer

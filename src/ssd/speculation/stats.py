@@ -68,6 +68,8 @@ class SpecCounters:
                                      # at a smaller batch)
     regime_early_probes: int = 0     # probes run before their interval: the model predicted the other regime
                                      # clearly faster than the current one measured
+    worker_kept_in_step: int = 0     # tokens the worker prefilled in local stints on cores that would idle
+                                     # (WorkerProposer.keep_in_step): a hand-over then prefills only the rest
     worker_lost: int = 0
     thread_slowdown: float | None = None   # auto_ssd, thread split: target time on SSD-round / local threads
     started: float = field(default_factory=time.perf_counter)
@@ -145,6 +147,7 @@ class SpecSnapshot:
     regime_probes_pruned: int = 0
     regime_visits_deferred: int = 0
     regime_early_probes: int = 0
+    worker_kept_in_step: int = 0
     worker_lost: int = 0
     thread_slowdown: float | None = None
     wall_s: float = 0.0
@@ -199,7 +202,8 @@ class SpecSnapshot:
                     "auto_regime_switches": self.regime_switches,
                     "auto_regime_probes_pruned": self.regime_probes_pruned,
                     "auto_regime_visits_deferred": self.regime_visits_deferred,
-                    "auto_regime_early_probes": self.regime_early_probes, "auto_worker_lost": self.worker_lost,
+                    "auto_regime_early_probes": self.regime_early_probes,
+                    "auto_worker_kept_in_step_tokens": self.worker_kept_in_step, "auto_worker_lost": self.worker_lost,
                     "auto_thread_slowdown": self.thread_slowdown}
                    if self.worker_rounds or self.worker_lost or self.regime_probes_pruned or
                    self.regime_visits_deferred else {})}

@@ -181,6 +181,9 @@ class SpeculativeStep:
             self.worker.skip(seqs)          # it drops them (prefix-cached) and is handed them back later
             if self.thread_split is not None:
                 self.worker.settle()        # its cores are the target's now: it has stopped drafting first
+            elif self.worker_prefills_always:
+                # its cores would idle: it prefills the committed blocks as they complete (keep_in_step)
+                self.counters.worker_kept_in_step += self.worker.keep_in_step(seqs)
         except ProposerFailed as e:
             self._worker_lost(e)
         return self.proposer

@@ -188,6 +188,36 @@ class WorkerProposer:
             s.spec_state.worker_held = max(len(s) - 1 - s.spec_state.accepted, 0)
         self._free(gone)
 
+    def keep_in_step(self, seqs: list[Sequence]) -> int:
+        """Local rounds in which the workers' cores would sit idle (auto_ssd with the worker on cores of its
+        own): each dropped sequence with one more whole block of context than its worker holds is added
+        again with its whole blocks and dropped again, so the worker prefills the new block now, in its
+        idle time, into its prefix cache; the hand-over after the local stint then prefills at most the
+        last partial block. Without it that hand-over prefilled everything committed since the drop while
+        the target waited (priced per token: the worker regime's prediction fell with every local round,
+        35.2 -> 32.8 tok/s over three stints in the paper placement at batch 4). Posted, not waited for.
+        -> tokens sent to be prefilled."""
+        sent, again = 0, []
+        for s in seqs:
+            st = s.spec_state
+            if not st.detached or self.assign.get(s.seq_id) is None:
+                continue
+            bs = self._block_size(self.assign.get(s.seq_id))
+            whole = (len(s) - 1) // bs * bs         # the last token's KV is computed when it is drafted from
+            held = st.worker_held // bs * bs        # a dropped sequence's partial last block is not cached
+            if whole <= held:
+                continue
+            self._attach(s, s.all_token_ids[:whole])
+            st.worker_held = whole
+            sent += whole - held
+            again.append(s)
+        self._free(again)
+        return sent
+
+    def _block_size(self, w: int) -> int:
+        config = getattr(self.clients[w], "config", None)
+        return getattr(config, "block_size", 16)
+
     def settle(self) -> None:
         """Wait until every live worker has received what was posted to it (so it has stopped drafting
         for sequences it was told to drop)."""
