@@ -195,6 +195,27 @@ def _step(apart: bool):
     return step
 
 
+@pytest.mark.parametrize("retake, dearer", [(None, False), (0.01, False), (0.08, True)])
+def test_a_local_visit_prices_its_drafts_catch_up_at_least_at_the_workers_measured_prefill(retake, dearer):
+    """Worker apart: a lazy in-process draft catches up on what it missed before it drafts; where the local
+    rounds have not measured that, the worker's measured prefill per token (the same draft on one core) is
+    its price if it is dearer than theirs. The controls: unmeasured, or cheaper, it changes nothing."""
+    from types import SimpleNamespace as NS
+
+    from ssd.speculation.regime import LOCAL
+    from ssd.speculation.step import SpeculativeStep
+
+    step = _step(apart=True)
+    step.proposer = NS(behind=lambda seqs: [40] * len(seqs))     # one stint's worth of tokens behind
+    seqs = [_Seq(0, 200, True)]
+    before = SpeculativeStep.predicted_rate(step, seqs, LOCAL)
+    if retake is not None:
+        step.worker_chooser.cost.worker.retake_s.add(retake)
+        step.worker_chooser.cost.worker.retake_s.value = retake
+    after = SpeculativeStep.predicted_rate(step, seqs, LOCAL)
+    assert (after < 0.95 * before) if dearer else after == pytest.approx(before)
+
+
 def test_a_worker_visit_is_predicted_with_the_prefill_of_the_contexts_handed_back():
     """auto_ssd's prediction of a worker stint: the worker rounds' fits, plus the prefill of what the worker
     does not hold of the contexts (prompts that arrived in local stints; of a sequence it dropped in one,

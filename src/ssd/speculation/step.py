@@ -221,8 +221,14 @@ class SpeculativeStep:
             if cost.unit is None or wait.per_token_s.n < 5:
                 return None
             # a lazy draft that sat out the worker's rounds first catches up (its whole prompt, if it was
-            # never prefilled)
+            # never prefilled), priced as the local rounds fitted it (their prior until they measure it), or
+            # at the worker's measured prefill per token where that is dearer: both are the draft's prefill
+            # on one core's threads (paper placement). At the prior, 0.02 target forwards per token, a probe
+            # of the local regime at batch 1 was predicted at 21.4 tok/s and measured 15.3, its draft
+            # catching up on the whole context, where the worker's prefill measured 0.06-0.09 per token
             per_token = local.draft_coefficients()[2] * local.unit / cost.unit if local.unit else CATCH_UP_PRIOR
+            if wait.retake_s.n > 1:
+                per_token = max(per_token, wait.retake_s.value)
             cost = local_cost(cost, wait.per_token_s.value, max(per_token, 0.0))
         elif local.unit is None:
             return None
