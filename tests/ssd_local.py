@@ -62,7 +62,8 @@ class LocalDraftClient:
         replies = self.worker.speculate(list(requests))
         if self.tamper:
             replies = [self.tamper(self.worker, r) for r in replies]
-        return m.Speculation(replies, self.worker.chains_drafted, self.worker.busy_s, self.worker.take_spans())
+        return m.Speculation(replies, self.worker.chains_drafted, self.worker.busy_s, self.worker.take_spans(),
+                             self.worker.prefill_tokens, self.worker.prefill_s)
 
     def abandon(self) -> None:
         self.dead = True

@@ -503,8 +503,8 @@ def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monke
 def test_a_worker_on_cores_of_its_own_is_kept_in_step_in_local_stints(monkeypatch, tiny_pair, ar_ref, keep):
     """Where the worker's cores idle in local rounds, it prefills each whole block the local rounds commit,
     so the hand-over to it after a local stint of 40 plain rounds prefills at most a partial block and the
-    last round's token per sequence; every token equals AR's. The control: without keep_in_step the hand-over prefills all the local rounds
-    committed."""
+    last round's token per sequence; every token equals AR's. The control: without keep_in_step the
+    hand-over prefills all the local rounds committed."""
     from ssd.speculation.chooser import CostModel
     from ssd.speculation.worker.proposer import WorkerProposer
 
@@ -535,6 +535,7 @@ def test_a_worker_on_cores_of_its_own_is_kept_in_step_in_local_stints(monkeypatc
         assert m.worker_rounds > 0 and len(retakes) == 1    # one hand-over, after the local stint
         if keep:
             assert m.worker_kept_in_step >= 3 * 32 and retakes[0] <= 3 * 17
+            assert step.worker.prefill_s_per_token() > 0     # the worker reported what its prefills took
         else:
             assert m.worker_kept_in_step == 0 and retakes[0] >= 3 * 40
     finally:

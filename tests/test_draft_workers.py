@@ -230,7 +230,34 @@ def test_keeping_a_worker_in_step_sends_each_new_whole_block_once_and_drops_it_a
     seqs[1].grow(1)                     # the control: no new whole block (16 tokens, the last not counted)
     assert prop.keep_in_step(seqs[1:]) == 0 and retake_tokens(seqs[1:]) == 16 - 12
     out = prop.propose(seqs, [1, 1])    # the hand-over: both added again with all but their last token
-    assert out.tokens == [[7], [7]] and w.adds[-2:] == [(0, seqs[0].all_token_ids[:-1]), (1, seqs[1].all_token_ids[:-1])]
+    assert out.tokens == [[7], [7]]
+    assert w.adds[-2:] == [(0, seqs[0].all_token_ids[:-1]), (1, seqs[1].all_token_ids[:-1])]
+
+
+def test_the_workers_prefill_price_is_their_reported_prefill_time_over_tokens():
+    """Each worker reports its cumulative prefill (tokens computed by adds, seconds) with every answer; the
+    proposer's price per token pools the workers, and says nothing before enough tokens were measured."""
+    from ssd.speculation.worker import messages as m
+    from ssd.speculation.worker.proposer import WorkerProposer
+
+    class Reporting(FakeWorker):
+        def __init__(self, tokens, seconds):
+            super().__init__()
+            self.report = (tokens, seconds)
+
+        def recv_speculation(self):
+            return m.Speculation([m.Reply(i, m.Source.CACHE, [7]) for i in self.asked],
+                                 prefill_tokens=self.report[0], prefill_s=self.report[1])
+
+    workers = [Reporting(30, 0.3), Reporting(20, 0.1)]
+    prop = WorkerProposer(workers)
+    seqs = fake_seqs(2)
+    assert prop.prefill_s_per_token() is None
+    prop.propose(seqs, [1, 1])
+    assert prop.prefill_s_per_token() is None                       # 50 tokens: too few to say
+    workers[0].report, workers[1].report = (100, 0.5), (60, 0.3)
+    prop.propose(seqs, [1, 1])
+    assert prop.prefill_s_per_token() == pytest.approx(0.8 / 160)
 
 
 def test_workers_failing_in_every_phase_end_in_proposer_failed():

@@ -81,12 +81,13 @@ def test_messages_round_trip():
     assert _roundtrip(spec) == spec
     q = torch.softmax(torch.randn(2, 6), -1)
     ans = m.Speculation([m.Reply(1, m.Source.CACHE, [3, 4], q), m.Reply(5, m.Source.NO_ROOM, []),
-                         m.Reply(9, m.Source.FAST, [1])], 12, 0.5, [(m.SpanKind.PREDRAFT, 1.0, 1.25)])
+                         m.Reply(9, m.Source.FAST, [1])], 12, 0.5, [(m.SpanKind.PREDRAFT, 1.0, 1.25)], 300, 0.75)
     back = _roundtrip(ans, vocab=6)
     assert [(r.seq_id, r.source, r.tokens) for r in back.replies] == [(1, m.Source.CACHE, [3, 4]),
                                                                        (5, m.Source.NO_ROOM, []), (9, m.Source.FAST, [1])]
     assert torch.equal(back.replies[0].probs, q) and back.replies[2].probs is None and back.replies[0].hit
     assert (back.chains_drafted, back.busy_s, back.spans) == (12, 0.5, [(m.SpanKind.PREDRAFT, 1.0, 1.25)])
+    assert (back.prefill_tokens, back.prefill_s) == (300, 0.75)
     with pytest.raises(ValueError, match="fanout_budget"):
         m.WorkerConfig("d", "auto", 4, 10, 10, 16, 64, 1, fanout_budget=0)     # 0 is not "auto"
 

@@ -189,17 +189,20 @@ def _step(apart: bool):
     from ssd.speculation.step import SpeculativeStep
 
     step = NS(worker_chooser=wc, chooser=local, regime=NS(dwell=16), num_draft=lambda s: 4,
+              worker=NS(prefill_s_per_token=lambda: None),
               proposer=NS(behind=lambda seqs: [0] * len(seqs)), worker_prefills_always=apart,
               thread_split=None if apart else (1, 2), thread_slowdown=None, draft_prefill_per_token=None)
     step._worker_bound = lambda seqs, acc, caps: SpeculativeStep._worker_bound(step, seqs, acc, caps)
     return step
 
 
-@pytest.mark.parametrize("retake, dearer", [(None, False), (0.01, False), (0.08, True)])
-def test_a_local_visit_prices_its_drafts_catch_up_at_least_at_the_workers_measured_prefill(retake, dearer):
+@pytest.mark.parametrize("retake, prefill, dearer", [(None, None, False), (0.01, None, False), (0.08, None, True),
+                                                     (None, 0.002, False), (None, 0.016, True)])
+def test_a_local_visit_prices_its_drafts_catch_up_at_least_at_the_workers_measured_prefill(retake, prefill, dearer):
     """Worker apart: a lazy in-process draft catches up on what it missed before it drafts; where the local
-    rounds have not measured that, the worker's measured prefill per token (the same draft on one core) is
-    its price if it is dearer than theirs. The controls: unmeasured, or cheaper, it changes nothing."""
+    rounds have not measured that, the worker's measured prefill per token (the same draft on one core: its
+    price of a hand-over in units, or its prefills in seconds, unit 0.2 s here) is its price if it is dearer
+    than theirs (0.02 units, the prior). The controls: unmeasured, or cheaper, it changes nothing."""
     from types import SimpleNamespace as NS
 
     from ssd.speculation.regime import LOCAL
@@ -212,6 +215,8 @@ def test_a_local_visit_prices_its_drafts_catch_up_at_least_at_the_workers_measur
     if retake is not None:
         step.worker_chooser.cost.worker.retake_s.add(retake)
         step.worker_chooser.cost.worker.retake_s.value = retake
+    if prefill is not None:
+        step.worker = NS(prefill_s_per_token=lambda: prefill)
     after = SpeculativeStep.predicted_rate(step, seqs, LOCAL)
     assert (after < 0.95 * before) if dearer else after == pytest.approx(before)
 

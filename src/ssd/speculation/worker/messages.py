@@ -188,10 +188,12 @@ class Speculation:
     chains_drafted: int = 0       # cumulative, worker side
     busy_s: float = 0.0           # cumulative worker busy time
     spans: list[tuple[SpanKind, float, float]] = field(default_factory=list)   # (kind, start, end) seconds
+    prefill_tokens: int = 0       # cumulative: tokens the worker computed when sequences were added
+    prefill_s: float = 0.0        # cumulative: the time those prefills took
     kind: ClassVar[Kind] = Kind.SPECULATION
 
     def encode(self):
-        ints = [len(self.replies), self.chains_drafted, len(self.spans)]
+        ints = [len(self.replies), self.chains_drafted, len(self.spans), self.prefill_tokens]
         probs = []
         for r in self.replies:
             ints += [r.seq_id, int(r.source), int(r.probs is not None), len(r.tokens), *r.tokens]
@@ -199,12 +201,12 @@ class Speculation:
                 probs.append(r.probs.reshape(-1).float())
         for kind, start, end in self.spans:
             ints += [int(kind), int(start * 1e6), int(end * 1e6)]
-        return ints, torch.cat(probs + [torch.tensor([self.busy_s], dtype=torch.float32)])
+        return ints, torch.cat(probs + [torch.tensor([self.busy_s, self.prefill_s], dtype=torch.float32)])
 
     @classmethod
     def decode(cls, ints, floats, vocab: int):
-        n, chains, n_spans = ints[:3]
-        pos, off, replies = 3, 0, []
+        n, chains, n_spans, prefill_tokens = ints[:4]
+        pos, off, replies = 4, 0, []
         for _ in range(n):
             seq_id, source, has_probs, m = ints[pos:pos + 4]
             tokens = list(ints[pos + 4:pos + 4 + m])
@@ -216,7 +218,7 @@ class Speculation:
             replies.append(Reply(seq_id, Source(source), tokens, probs))
         spans = [(SpanKind(ints[pos + 3 * i]), ints[pos + 3 * i + 1] / 1e6, ints[pos + 3 * i + 2] / 1e6)
                  for i in range(n_spans)]
-        return cls(replies, chains, float(floats[-1]), spans)
+        return cls(replies, chains, float(floats[-2]), spans, int(prefill_tokens), float(floats[-1]))
 
 
 @dataclass

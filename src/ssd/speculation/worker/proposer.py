@@ -38,6 +38,7 @@ class WorkerProposer:
         self.counters.draft_workers = len(self.clients)
         self._busy = [0.0] * len(self.clients)       # each worker's cumulative busy time / chains
         self._chains = [0] * len(self.clients)
+        self._prefilled = [(0, 0.0)] * len(self.clients)   # each worker's cumulative prefill (tokens, seconds)
 
     # ---- workers ------------------------------------------------------------------------------
     def _fail(self, w: int, error: BaseException) -> None:
@@ -138,6 +139,7 @@ class WorkerProposer:
             for b, r in zip(groups[w], ans.replies):
                 replies[b] = r
             self._busy[w], self._chains[w] = ans.busy_s, ans.chains_drafted
+            self._prefilled[w] = (ans.prefill_tokens, ans.prefill_s)
             prefix = f"w{w} " if len(self.clients) > 1 else ""
             spans += [(prefix + _SPAN_NAMES.get(k, "draft"), a, z) for k, a, z in ans.spans]
         tokens, probs, sources = [], [], []
@@ -167,6 +169,12 @@ class WorkerProposer:
             for s in todo:
                 self._attach(s, s.all_token_ids[:-1])
                 self._attached(s, s.all_token_ids[-1])
+
+    def prefill_s_per_token(self, min_tokens: int = 64) -> float | None:
+        """Seconds per token of the workers' prefills of the sequences added to them (prompts at arrival,
+        hand-overs, keep_in_step), over all they reported so far; None before `min_tokens` tokens."""
+        tokens = sum(t for t, _ in self._prefilled)
+        return sum(s for _, s in self._prefilled) / tokens if tokens >= min_tokens else None
 
     def behind(self, seqs: list[Sequence]) -> list[int]:
         return [0] * len(seqs)          # the worker keeps up by itself (or is handed the sequence back)

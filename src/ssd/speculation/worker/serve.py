@@ -76,7 +76,8 @@ def handle(worker, chan: Channel, msg) -> None:
     elif isinstance(msg, m.Speculate):
         worker.observe_verify(msg.verify_s)
         replies = worker.speculate(msg.requests)
-        chan.send(m.Speculation(replies, worker.chains_drafted, worker.busy_s, worker.take_spans()))
+        chan.send(m.Speculation(replies, worker.chains_drafted, worker.busy_s, worker.take_spans(),
+                                worker.prefill_tokens, worker.prefill_s))
     else:
         raise RuntimeError(f"draft worker got unexpected message {type(msg).__name__}")
 

@@ -69,6 +69,7 @@ class DraftWorker:
         self.seqs: dict[int, WorkerSeq] = {}
         self.no_room: set[int] = set()            # dropped for lack of KV room; told on their next request
         self.busy_s = 0.0
+        self.prefill_tokens, self.prefill_s = 0, 0.0   # tokens computed by add() and their time, cumulative
         self.spans: list[tuple[SpanKind, float, float]] = []
         self.stats = {"no_room": 0}               # sequences dropped for lack of room (the engine counts the rest)
 
@@ -94,6 +95,8 @@ class DraftWorker:
         self.bm.commit(msg.seq_id, msg.tokens)
         n = len(msg.tokens)
         self.seqs[msg.seq_id] = WorkerSeq(msg.seq_id, msg, list(msg.tokens), n, round=n)
+        self.prefill_tokens += n - cached
+        self.prefill_s += time.perf_counter() - t0
         self._spent(SpanKind.PREFILL, t0)
 
     def free(self, seq_id: int) -> None:
