@@ -625,3 +625,16 @@ def test_the_draft_price_follows_the_machine_speed_the_target_measures(monkeypat
     assert m.target.a == pytest.approx(1 / 1.7, rel=0.02)
     assert m.draft_s([1]) == pytest.approx(0.55 / 1.7 if relative else 0.55, rel=0.05)
     assert (best_plan([0.7], [4], m)[0] > 0) == relative
+
+
+@pytest.mark.parametrize("slope, rho", [(0.2, 0.2), (-0.1, 0.0), (5.0, 2.0)])
+def test_a_line_set_from_a_fit_is_bounded_as_a_learnt_one(slope, rho):
+    """auto_ssd's local prediction sets the in-process rounds' line from the worker rounds' least-squares
+    line, whose slope noise can make negative: its relative row cost is bounded to [0, 2] as `update`
+    bounds it (unbounded, a batch of 32 rows raised a math domain error in the log of 1 + rho R)."""
+    from ssd.speculation.chooser import TargetLine
+
+    line = TargetLine()
+    line.set([1.0, slope])
+    assert line.rho == pytest.approx(rho)
+    assert line.predict([1.0, 32]) == pytest.approx(1.0 + rho * 32)

@@ -119,8 +119,9 @@ class TargetLine:
         return torch.tensor([self.a, self.a * self.rho], dtype=torch.float64)
 
     def set(self, w: list[float]) -> None:
-        """A given line (as the prior of its row cost), and an empty table."""
-        self.a, self.rho = w[0], w[1] / w[0] if w[0] else 0.0
+        """A given line (as the prior of its row cost, bounded as `update` bounds it: a least-squares line
+        fitted on noisy rounds can have a negative slope, and 1 + rho R then has no log), and an empty table."""
+        self.a, self.rho = w[0], min(max(w[1] / w[0], 0.0), 2.0) if w[0] else 0.0
         self.num, self.den = self.rho * self.prior_rows, self.prior_rows
         self.g, self.pairs, self._keys = {}, {}, []
 
@@ -231,7 +232,7 @@ class CostModel:
         # SSD k=2 on HumanEval in the paper placement against 0.97x with the line, in a same-process
         # A/B (12 prompts; 0.99x overall, within noise), and the two bench runs agreed on HumanEval
         self.target = RLS([1.0, 0.1]) if worker is not None else TargetLine((1.0, 0.2))
-        self.draft = RLS([0.3, 0.03, CATCH_UP_PRIOR])
+        self.forget_draft()
         # SSD rounds: the worker drafts during the verify; the target waits for it only on a cache miss
         self.worker = worker
 

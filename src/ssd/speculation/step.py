@@ -222,16 +222,13 @@ class SpeculativeStep:
                 return None
             # a lazy draft that sat out the worker's rounds first catches up (its whole prompt, if it was
             # never prefilled), priced as the local rounds fitted it (their prior until they measure it), or
-            # at the worker's measured price of a hand-over per token where that is dearer: both are the
-            # draft's prefill on one core's threads (paper placement). At the prior, 0.02 target forwards
-            # per token, a probe of the local regime at batch 1 was predicted at 21.4 tok/s and measured
-            # 15.3, its draft catching up on the whole context; the worker's prefill measured 0.06 per token
+            # at the worker's measured prefill per token (prompts it took at arrival, hand-overs) where that
+            # is dearer: the same draft's prefill on one core's threads (paper placement), measured before
+            # any local stint has run. At the prior, 0.02 target forwards per token, a probe of the local
+            # regime at batch 1 was predicted at 21.4 tok/s and measured 15.3, its draft catching up on the
+            # whole context; the worker's prefills measured 0.060 per token. (A worker on other hardware may
+            # prefill faster than the local draft: the dearer price holds.)
             per_token = local.draft_coefficients()[2] * local.unit / cost.unit if local.unit else CATCH_UP_PRIOR
-            if wait.retake_s.n > 1:
-                per_token = max(per_token, wait.retake_s.value)
-            # ... and at the worker's own prefills (prompts it took at arrival, hand-overs), measured before
-            # any local stint has run, so the first probe is priced by them too (a worker on other hardware
-            # may prefill faster than the local draft: the dearer price holds)
             prefill = self.worker.prefill_s_per_token()
             if prefill is not None:
                 per_token = max(per_token, prefill / cost.unit)
