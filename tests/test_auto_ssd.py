@@ -326,6 +326,30 @@ def test_a_regime_predicted_clearly_faster_after_the_requests_changed_is_remeasu
         assert seq[-1] == LOCAL          # measured faster: it stays
 
 
+@pytest.mark.parametrize("restate", [True, False])
+def test_the_other_regime_is_judged_by_its_calibrated_prediction_for_the_requests_now_running(
+        monkeypatch, restate):
+    """Paper placement, batch 1, MT-Bench then `mixed`: one worker stint measured 14.8 tok/s on slow
+    requests, the local regime then measured 18-21 and kept every stint, though the worker rounds' fits
+    predicted the worker 10-30% faster for the requests that followed (SSD k=2 ran 1.2x the local regime
+    there). The worker's measured 15 is of other requests; its calibrated prediction for these (23 x 0.9
+    = 20.7) and the local regime's (19 x its calibration, 1.08 after its first stint, 1.04 after its
+    second) differ by more than the hysteresis by the second stint end: the worker serves from there
+    on (it measures 22). The control, measured estimates only: local to the end (the early path needs
+    15%)."""
+    if not restate:
+        monkeypatch.setattr(RegimePolicy, "_calibrated", lambda self, predict, regime, b: None)
+    p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
+    seq = run_predicted(p, {WORKER: 15.0, LOCAL: 19.0}, {WORKER: 15.0 / 0.9, LOCAL: 17.6}, 12)
+    assert seq == [WORKER] * 4 + [LOCAL] * 8
+    assert p.calibration[(WORKER, 0)] == pytest.approx(0.9)
+    seq = run_predicted(p, {WORKER: 22.0, LOCAL: 19.0}, {WORKER: 23.0, LOCAL: 19.0}, 40)
+    if restate:
+        assert set(seq[4:]) == {WORKER} and p.restated > 0      # from the second stint end on
+    else:
+        assert set(seq) == {LOCAL} and p.early == 0
+
+
 def test_an_early_probe_that_loses_lowers_its_regimes_prediction_and_is_not_repeated_at_once():
     """An optimistic model: the local regime is predicted at 30 but measures 15. The early probe loses,
     the calibration scales the prediction down (30 x 0.5 = 15), and no early probe follows."""

@@ -627,14 +627,46 @@ def test_the_draft_price_follows_the_machine_speed_the_target_measures(monkeypat
     assert (best_plan([0.7], [4], m)[0] > 0) == relative
 
 
-@pytest.mark.parametrize("slope, rho", [(0.2, 0.2), (-0.1, 0.0), (5.0, 2.0)])
-def test_a_line_set_from_a_fit_is_bounded_as_a_learnt_one(slope, rho):
+@pytest.mark.parametrize("w, at, rho", [
+    ([1.0, 0.2], 1, 0.2), ([1.0, -0.1], 1, 0.0), ([1.0, 5.0], 1, 2.0),
+    ([-0.2, 0.5], 2, 2.0),          # a negative intercept (a steep fit on rounds of 2-5 rows)
+    ([0.001, 0.35], 2, 2.0),        # a near-zero one
+])
+def test_a_line_set_from_a_fit_is_bounded_as_a_learnt_one(w, at, rho):
     """auto_ssd's local prediction sets the in-process rounds' line from the worker rounds' least-squares
-    line, whose slope noise can make negative: its relative row cost is bounded to [0, 2] as `update`
-    bounds it (unbounded, a batch of 32 rows raised a math domain error in the log of 1 + rho R)."""
+    line, whose noise can make the slope negative or the intercept negative or near zero: the relative row
+    cost is bounded to [0, 2] as `update` bounds it (unbounded, a batch of 32 rows raised a math domain
+    error in the log of 1 + rho R), and the level keeps the line's value at `at` rows (taken as the level,
+    a near-zero intercept predicted the local regime at 17882 tok/s)."""
     from ssd.speculation.chooser import TargetLine
 
     line = TargetLine()
-    line.set([1.0, slope])
+    line.set(w, at)
     assert line.rho == pytest.approx(rho)
-    assert line.predict([1.0, 32]) == pytest.approx(1.0 + rho * 32)
+    assert line.predict([1.0, at]) == pytest.approx(w[0] + w[1] * at)
+    assert line.predict([1.0, 1]) >= (w[0] + w[1] * at) / (1 + 2 * at) > 0
+    assert line.predict([1.0, 32]) == pytest.approx(line.a * (1 + rho * 32))
+
+
+def test_a_line_not_positive_where_it_is_set_is_ignored():
+    from ssd.speculation.chooser import TargetLine
+
+    line = TargetLine((1.0, 0.2))
+    line.set([-1.0, 0.1], 2)
+    assert (line.a, line.rho) == (1.0, pytest.approx(0.2))
+
+
+def test_the_local_prediction_from_a_worker_line_with_a_tiny_intercept_is_not_absurd():
+    """The control of the case above end to end: the worker rounds' line 0.001 + 0.35 R (fitted on their
+    2-5 rows), set as the level (the old `set`), made a one-row forward cost 0.001 units; kept exact at
+    two rows it costs at least a fifth of a two-row forward."""
+    from ssd.speculation.chooser import RLS, TargetLine, local_cost
+
+    worker = CostModel()
+    worker.unit = 0.05
+    worker.target = RLS([0.001, 0.35])
+    m = local_cost(worker, 0.3, 0.02, at=2)
+    assert m.target_s(2) == pytest.approx(0.701) and m.target_s(1) > 0.701 / 5
+    old = TargetLine()
+    old.a, old.rho = 0.001, 2.0       # what the old set made of it
+    assert old.predict([1.0, 1]) < 0.01

@@ -603,6 +603,7 @@ def test_auto_ssd_server_counts_worker_rounds_switches_and_a_lost_worker(monkeyp
              "ssd_draft_worker_lost_total": "worker_lost", "ssd_auto_regime_probes_pruned_total": "regime_probes_pruned",
              "ssd_auto_regime_visits_deferred_total": "regime_visits_deferred",
              "ssd_auto_regime_early_probes_total": "regime_early_probes", "ssd_auto_thread_slowdown": "thread_slowdown",
+             "ssd_auto_regime_restated_total": "regime_restated",
              "ssd_auto_worker_kept_in_step_tokens_total": "worker_kept_in_step"}
     try:
         with BackgroundServer(build_app(llm)) as srv:

@@ -372,3 +372,47 @@ def test_the_thread_slowdown_is_the_least_ratio_of_median_times_and_restores_the
     before = torch.get_num_threads()
     assert thread_scaling.slowdown(run, 1, 2) == pytest.approx(1.5)
     assert torch.get_num_threads() == before
+
+
+def test_grow_wait_is_the_partial_hit_of_a_longer_ask():
+    w = WorkerWait(h_full=0.92, h_part=0.1, hit_s=0.02, per_token_s=0.3)
+    p = hit_probability([0.7], [1], 0.92, 0.1)
+    assert w.grow_wait([0.7], [1], [3]) == pytest.approx(p * 2 * 0.3)     # two steps more, where it would hit
+    assert w.grow_wait([0.7], [2], [2]) == 0.0 and w.grow_wait([0.7], [3], [1]) == 0.0
+
+
+def _grow_model() -> CostModel:
+    m = CostModel(worker=WorkerWait(h_full=0.92, h_part=0.1, hit_s=0.02, per_token_s=0.3))
+    m.unit = 1.0
+    m.target.set([1.0, 0.1])        # verify rows as the paper placement's worker rounds fit them at batch 1
+    return m
+
+
+@pytest.mark.parametrize("remaining, hysteresis, want", [
+    (64, 0.01, [2]),     # K=2 predicted 4.9% faster at 0.7: it pays for its one partial hit within the request
+    (64, 0.10, [1]),     # negative control: the old flat 10% margin keeps K=1 (auto ran 18-49% K=1 rounds at b1)
+    (8, 0.01, [2]),      # a few rounds left still repay it
+    (3, 0.01, [1]),      # one or two rounds left do not: the one-off wait is charged
+])
+def test_a_longer_ask_in_worker_rounds_is_priced_once_over_the_rounds_it_serves(remaining, hysteresis, want):
+    from ssd.speculation.chooser import AcceptanceEstimate, rate
+    m = _grow_model()
+    assert rate([2], [0.7], m) / rate([1], [0.7], m) == pytest.approx(1.0486, abs=1e-3)
+    ch = Chooser(4, cost=m, floor=1, hysteresis=hysteresis, hysteresis_down=0.03, plain_probe_every=0,
+                 probe_every=10**9)
+    ch.per_seq[1] = AcceptanceEstimate(0.7, strength=1e6)
+    ch.last[1] = 1
+    assert ch.plan([1], [4], None, [remaining]) == want
+
+
+def test_without_the_one_off_wait_a_short_remainder_would_grow():
+    """The control of the case above with 3 tokens left: with the partial hit priced at nothing the
+    longer ask is taken, so it is the charge that keeps K=1 there."""
+    from ssd.speculation.chooser import AcceptanceEstimate
+    m = _grow_model()
+    m.worker.grow_wait = lambda acc, old, new: 0.0
+    ch = Chooser(4, cost=m, floor=1, hysteresis=0.01, hysteresis_down=0.03, plain_probe_every=0, probe_every=10**9)
+    ch.per_seq[1] = AcceptanceEstimate(0.7, strength=1e6)
+    ch.last[1] = 1
+    assert ch.plan([1], [4], None, [3]) == [2]
+

@@ -115,6 +115,9 @@ class ServerMetrics:
         self.auto_regime_early = Counter("ssd_auto_regime_early_probes", "auto_ssd: visits of the other regime run "
                                          "before their probe interval because the model predicted it clearly "
                                          "faster", registry=r)
+        self.auto_regime_restated = Counter("ssd_auto_regime_restated", "auto_ssd: stint ends that compared both "
+                                            "regimes by their calibrated predictions for the requests running "
+                                            "then instead of their measured rates", registry=r)
         self.auto_worker_kept = Counter("ssd_auto_worker_kept_in_step_tokens", "auto_ssd, a worker on cores of its "
                                         "own: context tokens it prefilled during local stints, so that handing "
                                         "sequences back to it prefills only the rest", registry=r)
@@ -213,6 +216,7 @@ class ServerMetrics:
                            (self.auto_regime_pruned, delta.regime_probes_pruned),
                            (self.auto_regime_deferred, delta.regime_visits_deferred),
                            (self.auto_regime_early, delta.regime_early_probes),
+                           (self.auto_regime_restated, delta.regime_restated),
                            (self.auto_worker_kept, delta.worker_kept_in_step),
                            (self.auto_worker_lost, delta.worker_lost)):
             if n > 0:

@@ -118,10 +118,19 @@ class TargetLine:
         """The line (a, a rho), without the table."""
         return torch.tensor([self.a, self.a * self.rho], dtype=torch.float64)
 
-    def set(self, w: list[float]) -> None:
-        """A given line (as the prior of its row cost, bounded as `update` bounds it: a least-squares line
-        fitted on noisy rounds can have a negative slope, and 1 + rho R then has no log), and an empty table."""
-        self.a, self.rho = w[0], min(max(w[1] / w[0], 0.0), 2.0) if w[0] else 0.0
+    def set(self, w: list[float], at: float = 1.0) -> None:
+        """A given line w0 + w1 R (as the prior of its row cost), and an empty table. Its relative row cost
+        is bounded as `update` bounds it, and the level then keeps the line's value at `at` rows: a
+        least-squares line fitted on noisy rounds can have a negative slope (1 + rho R then has no log:
+        a batch of 32 rows raised a math domain error) or a negative or near-zero intercept (taken as the
+        level, it predicted forwards of nearly no time: auto_ssd predicted the local regime at 35 and
+        17882 tok/s at batch 1 where it measured 19, and visited it on that). A line that is not positive
+        at `at` rows is ignored."""
+        value = w[0] + w[1] * at
+        if value <= 0:
+            return
+        self.rho = min(max(w[1] / w[0], 0.0), 2.0) if w[0] > 0 else 2.0
+        self.a = value / (1.0 + self.rho * at)
         self.num, self.den = self.rho * self.prior_rows, self.prior_rows
         self.g, self.pairs, self._keys = {}, {}, []
 
@@ -306,14 +315,14 @@ class CostModel:
             self.worker.observe_retake(tokens, k, seconds / self.unit)
 
 
-def local_cost(worker_rounds: CostModel, draft_step: float, catch_up: float = 0.0) -> CostModel:
+def local_cost(worker_rounds: CostModel, draft_step: float, catch_up: float = 0.0, at: float = 1.0) -> CostModel:
     """The in-process draft's rounds as the worker rounds' fits see them (same units): the same target
-    line, and drafting that takes `draft_step` per step and `catch_up` per token it missed, in series
-    with the target (auto_ssd with the worker on cores of its own: the target has the same threads in
-    both regimes)."""
+    line (exact at `at` rows, bounded in shape: TargetLine.set), and drafting that takes `draft_step` per
+    step and `catch_up` per token it missed, in series with the target (auto_ssd with the worker on cores
+    of its own: the target has the same threads in both regimes)."""
     m = CostModel()
     m.unit = worker_rounds.unit
-    m.target.set(worker_rounds.target.w.tolist())
+    m.target.set(worker_rounds.target.w.tolist(), at)
     m.set_draft(draft_step, 0.0, catch_up)
     return m
 
@@ -476,6 +485,13 @@ def plain_probe_offset(every: int, probe_every: int) -> int:
 LOCAL_HYSTERESIS = 0.01
 
 
+# A longer ask in worker rounds is taken where it pays over this many rounds (or the requests' ends, if
+# sooner) with its one-off cost charged (the worker first finishes the shorter chains it pre-drafted:
+# WorkerWait.grow_wait). A flat 10% margin instead kept K=1 where K=2 was predicted 5% faster (per-token
+# acceptance 0.7): auto ran 18-49% of its batch-1 rounds at K=1 in the paper placement, 0.93-0.97x SSD k=2.
+GROW_ROUNDS = 16
+
+
 class Chooser:
     """shares_acceptance: another chooser whose per-request acceptance estimates this one reads and
     updates (auto_ssd: the chooser of worker rounds fits its own verify costs, with the target on
@@ -536,8 +552,11 @@ class Chooser:
         acc = self.acceptance(seq_ids)
         new = best_plan(acc, caps, self.cost, behind, remaining, floor=self.floor)
         old = [max(min(self.last.get(i, k), c), min(self.floor, c)) for i, k, c in zip(seq_ids, new, caps)]
-        margin = self.hysteresis_down if all(n <= o for n, o in zip(new, old)) else self.hysteresis
-        if rate(new, acc, self.cost, behind, remaining) < rate(old, acc, self.cost, behind, remaining) * (1 + margin):
+        shorter = all(n <= o for n, o in zip(new, old))
+        margin = self.hysteresis_down if shorter else self.hysteresis
+        gain = rate(new, acc, self.cost, behind, remaining) if shorter else \
+            self._rate_after_growing(new, old, acc, behind, remaining)
+        if gain < rate(old, acc, self.cost, behind, remaining) * (1 + margin):
             new = old
         explored = self._explore(seq_ids, new, caps, behind, remaining) if self.explore_z > 0 else 0
         if self.rounds % self.probe_every == 0:          # keep acceptance measured where we stopped drafting
@@ -557,6 +576,21 @@ class Chooser:
         catch = sum(t for t, k in zip(behind, new) if k > 0)
         self.predicted_s = self.cost.time_s(new, catch, acc) * (self.cost.unit or 0.0)
         return new
+
+    def _rate_after_growing(self, new: list[int], old: list[int], acc: list[float], behind: list[int],
+                            remaining: list[int] | None) -> float:
+        """A plan's predicted rate over the rounds it is expected to serve (GROW_ROUNDS at most, fewer where
+        the requests end sooner), with the one-off cost of taking it charged once (worker rounds: the chains
+        pre-drafted at the old lengths are too short for the new ones, see WorkerWait.grow_wait; nothing
+        in in-process rounds)."""
+        r = rate(new, acc, self.cost, behind, remaining)
+        if self.cost.worker is None or r <= 0:
+            return r
+        tokens = sum(expected_tokens(a, k) for a, k in zip(acc, new))
+        left = max(remaining or [GROW_ROUNDS * (self.k + 1)], default=0)
+        rounds = min(float(GROW_ROUNDS), max(left / max(tokens / max(len(new), 1), 1.0), 1.0))
+        once = self.cost.worker.grow_wait(acc, old, new)
+        return rounds * tokens / (rounds * tokens / r + once)
 
     def _explore(self, seq_ids: list[int], plan: list[int], caps: list[int], behind: list[int],
                  remaining: list[int] | None) -> int:

@@ -17,6 +17,12 @@ probe a backed-off interval away). A probe that loses (the policy goes back) dou
 probe interval, up to `max_probe_every`; one that wins resets it: a stable winner pays for fewer and
 fewer probes, each of which costs a stint in the slower regime and two switches.
 
+Measured rates are of the requests that ran then: where the model predicts both regimes for the
+requests running now and both have calibrated stints at this bucket (below), a stint end compares the
+calibrated predictions instead (`restated` counts these). In the paper placement at batch 1 one worker
+stint measured 14.8 tok/s on slow chat requests; the local regime then measured 18-21 on the
+following ones and kept every stint for hundreds of rounds while SSD k=2 ran 1.2x it there.
+
 Where the caller can predict the other regime's rate from a model (`pick(..., predict=...)`: auto_ssd
 from the fits of the rounds it ran, see SpeculativeStep.predicted_rate), a probe or first visit is
 skipped when that prediction is `prune` short of the current regime's measured rate; a skipped probe
@@ -88,6 +94,8 @@ class RegimePolicy:
         self.early = 0                   # stint ends at which a measured regime was re-measured early because
                                          # the model predicted it clearly faster than the current one
         self.early_after = 2 * dwell     # rounds since its last measurement before that may happen
+        self.restated = 0                # stint ends at which the other regime's estimate was its calibrated
+                                         # prediction for the requests now running (see pick)
         # (regime, bucket) -> measured / predicted rate of its stints there (per bucket: what the model
         # misses differs with the batch size; one dict for all let local visits at batch 1 prune the
         # local regime at batch 4 in the paper placement, where AR was best)
@@ -108,6 +116,14 @@ class RegimePolicy:
             other = LOCAL if self.current == WORKER else WORKER
             b = bucket(batch_size)
             mine, theirs = self.rate.get((self.current, b)), self.rate.get((other, b))
+            # the estimates were measured on other requests (the other regime's perhaps many stints ago: a
+            # code prompt before a chat one in `mixed`, a slow phase of the VM); where the model predicts
+            # both regimes for the requests running now and their stints have calibrated those predictions
+            # here, the calibrated predictions stand for them
+            guess, own = self._calibrated(predict, other, b), self._calibrated(predict, self.current, b)
+            if theirs is not None and mine is not None and guess is not None and own is not None:
+                self.restated += 1
+                mine, theirs = own, guess
             # SSD's edge shrinks as the batch grows (more verify rows, more drafting per round): where the
             # worker lost at the nearest smaller batch, it is not visited first at this one (a probe later)
             doubt = theirs is None and other == WORKER and (self.worker_waits or self._worker_lost_below(b))
@@ -185,6 +201,14 @@ class RegimePolicy:
         key = (self.current, b)
         old = self.calibration.get(key)
         self.calibration[key] = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
+
+    def _calibrated(self, predict, regime: str, b: int) -> float | None:
+        """The model's rate for `regime` now, scaled by how its stints at bucket b measured against the
+        model; None without a model, a prediction, or a calibrated stint there."""
+        if predict is None or (regime, b) not in self.calibration:
+            return None
+        guess = predict(regime)
+        return None if guess is None or guess <= 0 else guess * self.calibration[(regime, b)]
 
     def _predicted_faster(self, predict, other: str, mine: float | None, b: int) -> bool:
         """The other regime's calibrated prediction beats the current one's measured rate by more than the

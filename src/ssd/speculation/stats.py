@@ -68,6 +68,8 @@ class SpecCounters:
                                      # at a smaller batch)
     regime_early_probes: int = 0     # probes run before their interval: the model predicted the other regime
                                      # clearly faster than the current one measured
+    regime_restated: int = 0         # stint ends that compared both regimes' calibrated predictions for the
+                                     # requests running then, not their measured estimates (RegimePolicy.pick)
     worker_kept_in_step: int = 0     # tokens the worker prefilled in local stints on cores that would idle
                                      # (WorkerProposer.keep_in_step): a hand-over then prefills only the rest
     worker_lost: int = 0
@@ -147,6 +149,7 @@ class SpecSnapshot:
     regime_probes_pruned: int = 0
     regime_visits_deferred: int = 0
     regime_early_probes: int = 0
+    regime_restated: int = 0
     worker_kept_in_step: int = 0
     worker_lost: int = 0
     thread_slowdown: float | None = None
@@ -203,6 +206,7 @@ class SpecSnapshot:
                     "auto_regime_probes_pruned": self.regime_probes_pruned,
                     "auto_regime_visits_deferred": self.regime_visits_deferred,
                     "auto_regime_early_probes": self.regime_early_probes,
+                    "auto_regime_restated": self.regime_restated,
                     "auto_worker_kept_in_step_tokens": self.worker_kept_in_step, "auto_worker_lost": self.worker_lost,
                     "auto_thread_slowdown": self.thread_slowdown}
                    if self.worker_rounds or self.worker_lost or self.regime_probes_pruned or

@@ -80,10 +80,11 @@ class SpeculativeStep:
         if self.chooser is not None:
             # K per sequence in worker rounds too: the worker drafts while the target verifies, so a
             # round costs its verify rows plus the wait on a cache miss, priced by the measured hit
-            # rates and miss wait (worker_wait.py). A longer K misses the chains pre-drafted at the last
-            # length: 10% hysteresis up; a shorter one is served from them: 3% down. At least one token
-            # per sequence: a worker with nothing out has nothing to pre-draft for
-            self.worker_chooser = Chooser(self.k, hysteresis=0.1, hysteresis_down=0.03, probe_every=10**9,
+            # rates and miss wait (worker_wait.py). A longer K finds the chains pre-drafted at the last
+            # length too short: it must pay that once over the rounds it serves (Chooser._rate_after_growing),
+            # and 1% more; a shorter one is served from them: 3% down (damping). At least one token per
+            # sequence: a worker with nothing out has nothing to pre-draft for
+            self.worker_chooser = Chooser(self.k, hysteresis=0.01, hysteresis_down=0.03, probe_every=10**9,
                                           cost=CostModel(worker=WorkerWait()),
                                           shares_acceptance=self.chooser, plain_probe_every=0, floor=1)
 
@@ -160,6 +161,7 @@ class SpeculativeStep:
         if self.regime is None:
             return self.proposer
         before, pruned, deferred, early = self.regime.switches, self.regime.pruned, self.regime.deferred, self.regime.early
+        restated = self.regime.restated
         predict = (lambda regime: self.predicted_rate(seqs, regime)) if self.worker_chooser is not None else None
         # a first visit waits for a prediction only where the worker rounds' fits predict both regimes;
         # where local rounds take the worker's cores back, the local regime needs rounds of its own
@@ -169,6 +171,7 @@ class SpeculativeStep:
         self.counters.regime_probes_pruned += self.regime.pruned - pruned
         self.counters.regime_visits_deferred += self.regime.deferred - deferred
         self.counters.regime_early_probes += self.regime.early - early
+        self.counters.regime_restated += self.regime.restated - restated
         if self.thread_split is not None:
             n = self.thread_split[0 if use_worker else 1]
             if torch.get_num_threads() != n:
@@ -232,7 +235,8 @@ class SpeculativeStep:
             prefill = self.worker.prefill_s_per_token()
             if prefill is not None:
                 per_token = max(per_token, prefill / cost.unit)
-            cost = local_cost(cost, wait.per_token_s.value, max(per_token, 0.0))
+            # the worker rounds' line is exact where they ran (at least two rows per sequence), not below
+            cost = local_cost(cost, wait.per_token_s.value, max(per_token, 0.0), at=2 * len(seqs))
         elif local.unit is None:
             return None
         else:

@@ -72,6 +72,16 @@ class WorkerWait:
         p = hit_probability(acceptance, num_draft, self.h_full.value, self.h_part.value)
         return self.hit_s.value + (1.0 - p) * k * max(self.per_token_s.value, 0.0)
 
+    def grow_wait(self, acceptance: list[float], old: list[int], new: list[int]) -> float:
+        """The one-off extra wait (units) of the first round after lengthening asks from `old` to `new`: the
+        chains the worker pre-drafted are `old` long, so where one would have hit, the worker first finishes
+        it (a partial hit: the added steps, drafted while the target waits)."""
+        grow = max((n - o for n, o in zip(new, old)), default=0)
+        if grow <= 0:
+            return 0.0
+        p = hit_probability(acceptance, old, self.h_full.value, self.h_part.value)
+        return p * grow * max(self.per_token_s.value, 0.0)
+
     def observe_lookup(self, previous_fully_accepted: bool, hit: bool) -> None:
         """One sequence's cache lookup (it speculated last round and asks for tokens now)."""
         (self.h_full if previous_fully_accepted else self.h_part).add(float(hit))
