@@ -94,8 +94,8 @@ class RegimePolicy:
         self.early = 0                   # stint ends at which a measured regime was re-measured early because
                                          # the model predicted it clearly faster than the current one
         self.early_after = 2 * dwell     # rounds since its last measurement before that may happen
-        self.restated = 0                # stint ends at which the other regime's estimate was its calibrated
-                                         # prediction for the requests now running (see pick)
+        self.restated = 0                # stint ends that compared both regimes' calibrated predictions for the
+                                         # requests now running instead of their measured rates (see pick)
         # (regime, bucket) -> measured / predicted rate of its stints there (per bucket: what the model
         # misses differs with the batch size; one dict for all let local visits at batch 1 prune the
         # local regime at batch 4 in the paper placement, where AR was best)
