@@ -384,7 +384,7 @@ def test_grow_wait_is_the_partial_hit_of_a_longer_ask():
 def _grow_model() -> CostModel:
     m = CostModel(worker=WorkerWait(h_full=0.92, h_part=0.1, hit_s=0.02, per_token_s=0.3))
     m.unit = 1.0
-    m.target.set([1.0, 0.1])        # verify rows as the paper placement's worker rounds fit them at batch 1
+    m.target.set([1.0, 0.1])        # cheap verify rows: K=2 predicted 4.9% faster than K=1 at acceptance 0.7
     return m
 
 
