@@ -416,3 +416,41 @@ def test_without_the_one_off_wait_a_short_remainder_would_grow():
     ch.last[1] = 1
     assert ch.plan([1], [4], None, [3]) == [2]
 
+
+
+def test_a_catch_up_floor_prices_a_far_behind_draft_out_of_a_short_stint():
+    """Worker apart: the local chooser's catch-up price is at least the worker's measured prefill per token
+    (0.07 units here, as measured; the fit's prior is 0.02), as in the local regime's prediction. A lazy
+    draft 250 tokens behind then runs plain rounds in a 16-40-token stint and drafts where the request
+    has 64 left; one in step drafts either way. The control: without the floor it catches up at once."""
+    def plan(floor, behind, remaining):
+        m = CostModel()
+        m.unit, m.catch_up_floor = 0.055, floor
+        m.target.set([1.0, 0.3])
+        return best_plan([0.9], [6], m, [behind], [remaining])
+
+    assert plan(0.07, 250, 16) == [0] and plan(0.07, 250, 40) == [0]
+    assert plan(0.07, 250, 64)[0] > 0 and plan(0.07, 0, 16)[0] > 0
+    assert plan(0.0, 250, 16)[0] > 0                       # the control: the prior's price
+    m = CostModel()
+    m.catch_up_floor = 0.07
+    assert m.draft_s([2], 100) == pytest.approx(m.draft_s([2], 0) + 0.07 * 100)     # the floor, not the fit
+    m.catch_up_floor = 0.01
+    assert m.draft_s([2], 100) == pytest.approx(m.draft_s([2], 0) + m.draft_coefficients()[2] * 100)
+
+
+def test_local_rounds_take_the_workers_prefill_price_as_their_catch_up_floor():
+    """SpeculativeStep._floor_catch_up: the worker's seconds per token in the local chooser's units; nothing
+    while the worker has not reported enough (the control)."""
+    from types import SimpleNamespace as NS
+
+    from ssd.speculation.step import SpeculativeStep
+
+    local = Chooser(4)
+    local.cost.unit = 0.05
+    step = NS(chooser=local, worker=NS(prefill_s_per_token=lambda: None))
+    SpeculativeStep._floor_catch_up(step)
+    assert local.cost.catch_up_floor == 0.0
+    step.worker = NS(prefill_s_per_token=lambda: 0.0035)
+    SpeculativeStep._floor_catch_up(step)
+    assert local.cost.catch_up_floor == pytest.approx(0.07)

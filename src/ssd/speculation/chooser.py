@@ -242,6 +242,9 @@ class CostModel:
         # A/B (12 prompts; 0.99x overall, within noise), and the two bench runs agreed on HumanEval
         self.target = RLS([1.0, 0.1]) if worker is not None else TargetLine((1.0, 0.2))
         self.forget_draft()
+        # the least a catch-up token costs (units; 0: the fit alone), whatever the fit says: auto_ssd with the
+        # worker apart sets the worker's measured prefill per token (see SpeculativeStep.decode)
+        self.catch_up_floor = 0.0
         # SSD rounds: the worker drafts during the verify; the target waits for it only on a cache miss
         self.worker = worker
 
@@ -278,7 +281,10 @@ class CostModel:
             return self.worker.expected(acceptance or [0.0] * len(num_draft), num_draft)
         if not steps:
             return 0.0
-        return max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) * self.level()
+        t = max(self.draft.predict([steps, sum(num_draft), catch_up]), 0.0) * self.level()
+        if catch_up and self.catch_up_floor > 0:
+            t += max(self.catch_up_floor - self.draft_coefficients()[2], 0.0) * catch_up
+        return t
 
     def time_s(self, num_draft: list[int], catch_up: float = 0.0, acceptance: list[float] | None = None) -> float:
         """Predicted time (in units of the cost model, see UNIT_ROUNDS) of a round with this plan, whose

@@ -284,6 +284,9 @@ class SpeculativeStep:
         num_draft = [self.num_draft(s) for s in seqs]
         behind = proposer.behind(seqs)
         chooser = self.chooser if local else self.worker_chooser
+        if local and chooser is not None and self.worker_prefills_always and self.regime is not None and \
+                self.regime.enabled:
+            self._floor_catch_up()
         if chooser is not None:
             caps, remaining = num_draft, [s.remaining_tokens() for s in seqs]
             left = self.regime.probe_rounds_left() if self.regime is not None and local else None
@@ -340,6 +343,17 @@ class SpeculativeStep:
                 empty = Proposal([[] for _ in seqs], [None] * len(seqs))
                 self.proposer.observe(seqs, lens, [0] * len(seqs), empty)   # the local draft sat out
             self.regime.observe(len(seqs), committed, t2 - t0)
+
+    def _floor_catch_up(self) -> None:
+        """Worker apart: the local chooser prices its draft's catch-up at least at the worker's measured
+        prefill per token, as the local regime's prediction does (predicted_rate). With its own price at
+        the 0.02 prior, a local probe at batch 1 in the paper placement, predicted at 20.6 tok/s as plain
+        rounds (the catch-up too dear at the worker's 0.06-0.075), drafted instead, caught the lazy draft
+        up on the whole context and measured 13.9."""
+        prefill = self.worker.prefill_s_per_token()
+        local = self.chooser.cost
+        if prefill is not None and local.unit:
+            local.catch_up_floor = prefill / local.unit
 
     def _observe_wait(self, seqs: list[Sequence], proposal: Proposal, wait_s: float, retaken: int) -> None:
         """auto_ssd: teach the worker rounds' cost model the cache hits and the wait of this round (before
