@@ -657,16 +657,14 @@ def test_a_line_not_positive_where_it_is_set_is_ignored():
 
 
 def test_the_local_prediction_from_a_worker_line_with_a_tiny_intercept_is_not_absurd():
-    """The control of the case above end to end: the worker rounds' line 0.001 + 0.35 R (fitted on their
-    2-5 rows), set as the level (the old `set`), made a one-row forward cost 0.001 units; kept exact at
-    two rows it costs at least a fifth of a two-row forward."""
-    from ssd.speculation.chooser import RLS, TargetLine, local_cost
+    """End to end through local_cost: the worker rounds' line 0.001 + 0.35 R (fitted on their 2-5 rows),
+    taken with its intercept as the level (the old `set`), made a two-row forward cost 0.005 units (the
+    [0.001, 0.35] case above fails that way); kept exact at two rows it costs 0.701, and one row at
+    least a fifth of that."""
+    from ssd.speculation.chooser import RLS, local_cost
 
     worker = CostModel()
     worker.unit = 0.05
     worker.target = RLS([0.001, 0.35])
     m = local_cost(worker, 0.3, 0.02, at=2)
     assert m.target_s(2) == pytest.approx(0.701) and m.target_s(1) > 0.701 / 5
-    old = TargetLine()
-    old.a, old.rho = 0.001, 2.0       # what the old set made of it
-    assert old.predict([1.0, 1]) < 0.01
