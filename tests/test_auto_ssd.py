@@ -184,6 +184,25 @@ def test_a_probe_stint_says_how_many_rounds_it_has_left():
     assert p.pick(1) == WORKER and p.probe_rounds_left() is None   # it lost: back, not a probe
 
 
+def test_the_worker_s_next_visit_is_scheduled_far_off_once_it_lost_and_near_while_it_wins():
+    """worker_visit_in (keep_in_step runs only where the worker may serve the running requests again):
+    after the worker lost its probes its next visit is a backed-off interval away; where it measures
+    faster, a local stint is a probe it returns from within the stint; unmeasured, a visit may come at
+    any stint end (0). The control is the winning case: the same question, the opposite answer."""
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=WORKER)
+    assert p.worker_visit_in(1) == 0                       # it serves now
+    run(p, {WORKER: 10.0, LOCAL: 20.0}, 300)               # the worker lost every probe
+    assert p.current == LOCAL and p.worker_visit_in(1) > 64
+    assert p.worker_visit_in(4) == 0                       # batch 4: not measured there, may come any time
+    q = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=WORKER)
+    run(q, {WORKER: 20.0, LOCAL: 10.0}, 300)               # the worker wins: local stints are probes
+    while q.pick(1) != LOCAL:
+        q.observe(1, 10, 0.5)
+    assert q.worker_visit_in(1) <= 4
+    q.disable()
+    assert q.worker_visit_in(1) > 10**6                    # a lost worker never comes back
+
+
 def test_leaving_an_unmeasured_regime_for_an_unmeasured_one_is_a_probe():
     """The first stint end at a new batch size, after a stint spent at another one: neither regime has an
     estimate here, the policy leaves the current one, and that first visit is a probe (so the local chooser

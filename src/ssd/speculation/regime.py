@@ -225,6 +225,24 @@ class RegimePolicy:
         guess = predict(other)
         return guess is not None and guess * self.calibration.get((other, b), 1.0) * (1 + self.prune) < mine
 
+    def worker_visit_in(self, batch_size: int) -> int:
+        """Rounds until the worker regime may serve again at this batch size, as far as the policy has
+        scheduled it: 0 where it serves now or is not measured here yet (a first visit may come at any
+        stint end); where it measures faster here, the rounds left in this local stint (a probe it returns
+        from); otherwise the rounds until its next probe here (the backed-off interval). A visit the model
+        finds early (`promising`) can come sooner: this is the schedule, not a bound."""
+        if not self.enabled:
+            return 10**9
+        if self.current == WORKER:
+            return 0
+        b = bucket(batch_size)
+        seen, worker, local = self.seen.get((WORKER, b)), self.rate.get((WORKER, b)), self.rate.get((LOCAL, b))
+        if seen is None or worker is None and not self.worker_waits and not self._worker_lost_below(b):
+            return 0
+        if worker is not None and (local is None or worker > local):
+            return max(self.dwell - self._stint, 0)
+        return max(seen + self.interval.get(b, self.probe_every) - self.rounds, 0)
+
     def probe_rounds_left(self) -> int | None:
         """Rounds left in the current stint if it is a probe (it will most likely be left after them),
         else None: a probe should not invest in what pays only later (the local draft's catch-up)."""
