@@ -196,9 +196,11 @@ def test_the_worker_s_next_visit_is_scheduled_far_off_once_it_lost_and_near_whil
     assert p.worker_visit_in(4) == 0                       # batch 4: not measured there, may come any time
     q = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=WORKER)
     run(q, {WORKER: 20.0, LOCAL: 10.0}, 300)               # the worker wins: local stints are probes
-    while q.pick(1) != LOCAL:
+    for _ in range(10_000):                                # to the next probe of local (bounded: no hang)
+        if q.pick(1) == LOCAL:
+            break
         q.observe(1, 10, 0.5)
-    assert q.worker_visit_in(1) <= 4
+    assert q.current == LOCAL and q.worker_visit_in(1) <= 4
     q.disable()
     assert q.worker_visit_in(1) > 10**6                    # a lost worker never comes back
 
