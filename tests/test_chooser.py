@@ -201,13 +201,16 @@ def test_would_speculate_follows_the_cost_model_and_the_batch_size():
     ch.cost = model(a=1.0, b=0.02, c=0.2, d=0.15)      # draft rows expensive: pays alone, not in a batch
     assert ch.would_speculate(1) and not ch.would_speculate(8)
     assert not ch.would_speculate(0)
+    assert ch.eager_prefills(1, 1) == 1 and ch.eager_prefills(8, 3) == 0   # every new request, or none
+    ch.cost = model(b=0.02, c=0.1, d=0.01)
+    assert ch.eager_prefills(8, 3) == 3 and ch.eager_prefills(0, 0) == 0
 
 
 def test_a_chooser_that_has_not_drafted_for_long_prefills_the_draft_again_and_probes_it():
     """With a cost model that says drafting never pays (fitted on a cold warm-up) every request's draft is
     lazy, too far behind for a probe, and ordinary probes run only where drafting could pay: nothing is
     measured and the estimates never move. After STALE_ROUNDS rounds without a draft the next prefill is
-    eager anyway (once per such stretch) and a sequence with a near draft gets one draft token whatever
+    eager anyway for one request of its batch (once per such stretch) and a sequence with a near draft gets one draft token whatever
     the model says. The control: before that, the chooser follows its cost model (no, and plain)."""
     ch = Chooser(k=4)
     ch.global_acc = AcceptanceEstimate(0.6, strength=1e6)
@@ -217,14 +220,14 @@ def test_a_chooser_that_has_not_drafted_for_long_prefills_the_draft_again_and_pr
     for _ in range(chooser.STALE_ROUNDS):
         assert ch.plan([1], [4], **lazy) == [0]
         ch.observe([1], [0], [0], 0.0, 0.1)
-        assert not ch.would_speculate(1)                  # the control: not yet stale
+        assert ch.eager_prefills(8, 8) == 0               # the control: not yet stale
     assert ch.plan([1], [4], **lazy) == [0]               # stale, but the draft is too far to probe
     ch.observe([1], [0], [0], 0.0, 0.1)
-    assert ch.would_speculate(1)                          # stale: prefill the next request's draft
-    assert not ch.would_speculate(1)                      # once per stretch
+    assert ch.eager_prefills(8, 8) == 1                   # stale: prefill one new request's draft (of 8)
+    assert ch.eager_prefills(1, 1) == 0                   # once per stretch
     assert ch.plan([2], [4], behind=[0], remaining=[64]) == [1]   # its draft is near: one token, measured
     assert ch.cost.draft_coefficients()[0] / ch.cost.level() == pytest.approx(0.3)   # from the prior again
-    assert not ch.would_speculate(1)                      # it drafted: no longer stale
+    assert ch.eager_prefills(1, 1) == 0                   # it drafted: no longer stale
 
 
 def test_a_chooser_that_always_drafts_runs_a_plain_round_now_and_then_and_resumes():

@@ -234,16 +234,20 @@ def test_sd_spec_max_batch_catches_up_when_the_batch_shrinks(tiny_pair):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("eager", [True, False, "stale"])
 def test_auto_prefills_its_draft_when_a_batch_this_size_would_speculate(tiny_pair, ar_outputs, monkeypatch, eager):
     """auto asks the chooser at prefill time: a batch that would draft gets its in-process draft
     prefilled with the prompt (as in SD: nothing to catch up in decode), one that would not stays lazy
-    (the prompt is caught up the first time it drafts). Same tokens as AR either way."""
-    from ssd.speculation.chooser import Chooser
+    (the prompt is caught up the first time it drafts); where the chooser has not drafted for long
+    (stale), one request of the batch, the one with the shortest prompt, gets its draft prefilled, for
+    the stale probe to measure with. Same tokens as AR every way."""
+    from ssd.speculation.chooser import STALE_ROUNDS, Chooser
 
     llm = LLM(str(tiny_pair[0]), draft=str(tiny_pair[0]), mode="auto", k=3, dtype="float32", progress=False)
     asked, behind = [], []
-    monkeypatch.setattr(Chooser, "would_speculate", lambda self, rows: asked.append(rows) or eager)
+    monkeypatch.setattr(Chooser, "would_speculate", lambda self, rows: asked.append(rows) or eager is True)
+    if eager == "stale":
+        llm.engine.step_impl.chooser.rounds = STALE_ROUNDS + 1
     real_plan = Chooser.plan
 
     def plan(self, seq_ids, caps, behind_now=None, remaining=None):
@@ -254,8 +258,13 @@ def test_auto_prefills_its_draft_when_a_batch_this_size_would_speculate(tiny_pai
     assert [o.token_ids for o in outs] == ar_outputs
     assert asked and asked[0] == len(PROMPTS)          # the whole batch the prefill joins
     prompt_lens = [len(llm.encode(p)) for p in PROMPTS]
-    assert behind[0] == ([0] * len(PROMPTS) if eager else prompt_lens)
-    assert llm.engine.spec_metrics().eager_draft_prefills == (len(PROMPTS) if eager else 0)
+    if eager == "stale":
+        shortest = prompt_lens.index(min(prompt_lens))
+        assert behind[0] == [0 if b == shortest else n for b, n in enumerate(prompt_lens)]
+        assert llm.engine.spec_metrics().eager_draft_prefills == 1
+    else:
+        assert behind[0] == ([0] * len(PROMPTS) if eager else prompt_lens)
+        assert llm.engine.spec_metrics().eager_draft_prefills == (len(PROMPTS) if eager else 0)
     dbm = llm.engine.draft.block_manager
     assert dbm.num_free_blocks == dbm.num_blocks
 

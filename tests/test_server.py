@@ -604,7 +604,8 @@ def test_auto_ssd_server_counts_worker_rounds_switches_and_a_lost_worker(monkeyp
              "ssd_auto_regime_visits_deferred_total": "regime_visits_deferred",
              "ssd_auto_regime_early_probes_total": "regime_early_probes", "ssd_auto_thread_slowdown": "thread_slowdown",
              "ssd_auto_regime_restated_total": "regime_restated",
-             "ssd_auto_worker_kept_in_step_tokens_total": "worker_kept_in_step"}
+             "ssd_auto_worker_kept_in_step_tokens_total": "worker_kept_in_step",
+             "ssd_auto_worker_idle_prefills_skipped_total": "worker_idle_prefills_skipped"}
     try:
         with BackgroundServer(build_app(llm)) as srv:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)

@@ -121,6 +121,10 @@ class ServerMetrics:
         self.auto_worker_kept = Counter("ssd_auto_worker_kept_in_step_tokens", "auto_ssd, a worker on cores of its "
                                         "own: context tokens it prefilled during local stints, so that handing "
                                         "sequences back to it prefills only the rest", registry=r)
+        self.auto_worker_idle_skipped = Counter("ssd_auto_worker_idle_prefills_skipped", "auto_ssd, a worker on cores "
+                                                "of its own: local rounds and prompt arrivals at which it prefilled "
+                                                "nothing, its next visit being scheduled after the requests end",
+                                                registry=r)
         self.auto_worker_lost = Counter("ssd_draft_worker_lost", "auto_ssd: the draft worker lost (1 once it "
                                         "died or stopped answering; auto goes on with the in-process draft only)", registry=r)
         if mode == "auto" and k:
@@ -218,6 +222,7 @@ class ServerMetrics:
                            (self.auto_regime_early, delta.regime_early_probes),
                            (self.auto_regime_restated, delta.regime_restated),
                            (self.auto_worker_kept, delta.worker_kept_in_step),
+                           (self.auto_worker_idle_skipped, delta.worker_idle_prefills_skipped),
                            (self.auto_worker_lost, delta.worker_lost)):
             if n > 0:
                 counter.inc(n)

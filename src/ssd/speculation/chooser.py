@@ -428,15 +428,15 @@ FAR_PROBE_SHARE = 0.1
 # step and an extra verify row every 16 rounds).
 OPTIMISTIC_ACCEPTANCE = 0.95
 
-# A chooser that has not drafted for this many rounds prefills the next requests' draft anyway
-# (would_speculate) and drafts one token for a sequence whose draft is near, whatever its cost model
-# predicts, with the draft's fitted costs back at their priors (Chooser._stale_probe): a lazy draft is
+# A chooser that has not drafted for this many rounds prefills the next request's draft anyway
+# (eager_prefills: one of a batch) and drafts one token for a sequence whose draft is near, whatever its
+# cost model predicts, with the draft's fitted costs back at their priors (Chooser._stale_probe): a lazy draft is
 # behind by its whole prompt, too far for a probe or an exploration to be affordable, and an ordinary
 # probe runs only where the model says drafting could pay, so with a model that says it never does
 # (fitted on the 8-token warm-up) nothing is measured again. Seen twice in a row in equal-placement
 # grids: auto ran every batch-1 HumanEval round plain from the first request on (0.89-0.91x SD), where
 # the previous run of the same settings drafted in 72-95% of its batch-1 rounds. The cost: at most one
-# batch's draft prefill and one draft token per so many rounds, and a few rounds at the draft's priors.
+# request's draft prefill and one draft token per so many rounds, and a few rounds at the draft's priors.
 STALE_ROUNDS = 64
 
 # A request the plan leaves without drafts is drafted for (one token) while drafting would pay at its
@@ -532,7 +532,7 @@ class Chooser:
         self.last: dict[int, int] = {}
         self.rounds = 0
         self.drafted_at = 0             # the last round it planned a draft for (see STALE_ROUNDS)
-        self.stale_prefill_at = 0       # the last round would_speculate said yes for staleness alone
+        self.stale_prefill_at = 0       # the last round eager_prefills prefilled one draft for staleness alone
         self.predicted_tokens = 0.0     # of the last plan: expected tokens and predicted seconds
         self.predicted_s = 0.0
         self.plain_probes = 0
@@ -675,20 +675,32 @@ class Chooser:
         return best_plan(trial, caps, self.cost, behind, remaining)[b] > 0
 
     def would_speculate(self, rows: int) -> bool:
-        """Whether a batch of `rows` new requests at the engine-wide acceptance, drafts caught up, would
-        draft at all under the current cost model (auto: prefill the in-process draft with the prompt
-        then, as SD does, instead of catching it up in the first decode rounds). The acceptance is taken
-        EXPLORE_Z standard deviations up, as for exploration: a fresh engine whose first rounds (a
-        warm-up) accepted badly otherwise left the next request's draft lazy, and that request ran plain
-        to its end (its catch-up too dear to explore or probe). Yes, too, once in STALE_ROUNDS rounds
-        without drafting, so the estimates that say no are measured again."""
+        """Whether a batch of `rows` requests at the engine-wide acceptance, drafts caught up, would draft
+        at all under the current cost model. The acceptance is taken EXPLORE_Z standard deviations up, as
+        for exploration: a fresh engine whose first rounds (a warm-up) accepted badly otherwise left the
+        next request's draft lazy, and that request ran plain to its end (its catch-up too dear to explore
+        or probe)."""
         if rows < 1:
             return False
-        if self.rounds - max(self.drafted_at, self.stale_prefill_at) > STALE_ROUNDS:
-            self.stale_prefill_at = self.rounds     # at most one such prefill per STALE_ROUNDS rounds
-            return True
         a = self.global_acc.upper(self.explore_z) if self.explore_z > 0 else self.global_acc.value
         return any(best_plan([a] * rows, [self.k] * rows, self.cost))
+
+    def eager_prefills(self, rows: int, new: int) -> int:
+        """How many of `new` arriving requests (in a batch of `rows`) get the in-process draft prefilled
+        with their prompt (auto: as SD does, instead of catching it up in the first decode rounds): all
+        where the batch would draft (would_speculate); one, once in STALE_ROUNDS rounds without drafting,
+        so the stale probe (`_stale_probe`) has a near draft to measure the estimates that say no with;
+        else none. One, not the batch: the probe drafts for one sequence, and at batch 8 (paper placement,
+        every round plain) prefilling every new prompt's draft each stretch cost 6-7 s of 50 s per 16
+        prompts on the target's one thread (TTFT 13.3 s against AR's 9.7)."""
+        if rows < 1 or new < 1:
+            return 0
+        if self.would_speculate(rows):
+            return new
+        if self.rounds - max(self.drafted_at, self.stale_prefill_at) > STALE_ROUNDS:
+            self.stale_prefill_at = self.rounds     # at most one such prefill per STALE_ROUNDS rounds
+            return 1
+        return 0
 
     def observe(self, seq_ids: list[int], num_draft: list[int], accepted: list[int], draft_s: float,
                 target_s: float, caught_up: int = 0) -> None:

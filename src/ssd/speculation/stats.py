@@ -72,6 +72,8 @@ class SpecCounters:
                                      # requests running then, not their measured estimates (RegimePolicy.pick)
     worker_kept_in_step: int = 0     # tokens the worker prefilled in local stints on cores that would idle
                                      # (WorkerProposer.keep_in_step): a hand-over then prefills only the rest
+    worker_idle_prefills_skipped: int = 0   # local stints: rounds and prompt prefills (a batch counts once) at which
+                                            # the worker prefilled nothing, its next visit scheduled after the requests end
     worker_lost: int = 0
     thread_slowdown: float | None = None   # auto_ssd, thread split: target time on SSD-round / local threads
     started: float = field(default_factory=time.perf_counter)
@@ -151,6 +153,7 @@ class SpecSnapshot:
     regime_early_probes: int = 0
     regime_restated: int = 0
     worker_kept_in_step: int = 0
+    worker_idle_prefills_skipped: int = 0
     worker_lost: int = 0
     thread_slowdown: float | None = None
     wall_s: float = 0.0
@@ -207,7 +210,9 @@ class SpecSnapshot:
                     "auto_regime_visits_deferred": self.regime_visits_deferred,
                     "auto_regime_early_probes": self.regime_early_probes,
                     "auto_regime_restated": self.regime_restated,
-                    "auto_worker_kept_in_step_tokens": self.worker_kept_in_step, "auto_worker_lost": self.worker_lost,
+                    "auto_worker_kept_in_step_tokens": self.worker_kept_in_step,
+                    "auto_worker_idle_prefills_skipped": self.worker_idle_prefills_skipped,
+                    "auto_worker_lost": self.worker_lost,
                     "auto_thread_slowdown": self.thread_slowdown}
                    if self.worker_rounds or self.worker_lost or self.regime_probes_pruned or
                    self.regime_visits_deferred else {})}

@@ -42,6 +42,11 @@ def retake_tokens(seqs: list[Sequence]) -> int:
     return sum(len(s) - min(s.spec_state.worker_held, len(s)) for s in seqs if s.spec_state.detached)
 
 
+def _draft_to_feed(s: Sequence) -> int:
+    """Prompt tokens the in-process draft's prefill feeds (beyond its prefix-cache hit)."""
+    return len(s) - (s.num_cached[1] if len(s.num_cached) > 1 else 0)
+
+
 class SpeculativeStep:
     def __init__(self, target: ModelRunner, proposer: Proposer, k: int, counters: SpecCounters, tracer,
                  on_failure=None, chooser: Chooser | None = None):
@@ -109,8 +114,14 @@ class SpeculativeStep:
         # Not while the target's prefill uses the worker's cores: a prefill split over threads waits for
         # the one sharing a core with the worker (TTFT 1.7x AR's at batch 1 on 2 cores); the worker is
         # handed the prompt at its first round instead (as after a local stint, and priced as such)
+        # In a local stint, only while the worker may serve these requests before they end (_worker_back_soon):
+        # its prefill runs next to the target's forwards, and a hand-over that does come prefills the whole
+        # context instead (priced as such, retake_tokens)
         later = self.prefill_on_worker_cores
-        attach = (worker_now or live and self.worker_prefills_always) and not later
+        idle_prefill = live and not worker_now and self.worker_prefills_always and not later
+        back = idle_prefill and self._worker_back_soon(seqs, max(self.batch_rows(), len(seqs)))
+        self.counters.worker_idle_prefills_skipped += 1 if idle_prefill and not back else 0
+        attach = (worker_now or back) and not later
         handed_later = later and self.proposer.name == "worker"
         try:
             if handed_later:
@@ -121,14 +132,19 @@ class SpeculativeStep:
                 # a batch this size; a lazy draft would feed the whole prompt in its first rounds, which
                 # neither a short request nor a short probe of the local regime repays (equal placement:
                 # a prompt that arrived in a worker probe then ran 100% plain rounds after it, 0.56x SD)
+                # (all of them, or the one with the least to feed where only the chooser's stale probe wants one)
                 back_soon = worker_now and self.regime.probe_rounds_left() is not None
-                eager = (not worker_now or back_soon) and self.chooser is not None and \
-                    self.chooser.would_speculate(max(self.batch_rows(), len(seqs)))
-                self.counters.eager_draft_prefills += len(seqs) if eager else 0
-                t0 = time.perf_counter()
-                self.proposer.prefill(seqs, eager=eager)
+                n = self.chooser.eager_prefills(max(self.batch_rows(), len(seqs)), len(seqs)) \
+                    if (not worker_now or back_soon) and self.chooser is not None else 0
+                order = sorted(seqs, key=_draft_to_feed) if n < len(seqs) else seqs
+                eager, lazy = order[:n], order[n:]
+                self.counters.eager_draft_prefills += len(eager)
+                if lazy:
+                    self.proposer.prefill(lazy, eager=False)
                 if eager:
-                    self._observe_draft_prefill(seqs, time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    self.proposer.prefill(eager, eager=True)
+                    self._observe_draft_prefill(eager, time.perf_counter() - t0)
             else:
                 self.proposer.prefill(seqs)
         except ProposerFailed as e:
@@ -150,7 +166,7 @@ class SpeculativeStep:
             self.worker.after_prefill(seqs)
 
     def _observe_draft_prefill(self, seqs: list[Sequence], seconds: float) -> None:
-        fed = sum(len(s) - (s.num_cached[1] if len(s.num_cached) > 1 else 0) for s in seqs)
+        fed = sum(_draft_to_feed(s) for s in seqs)
         if fed > 0 and seconds > 0:
             per = seconds / fed
             old = self.draft_prefill_per_token
@@ -184,22 +200,26 @@ class SpeculativeStep:
             self.worker.skip(seqs)          # it drops them (prefix-cached) and is handed them back later
             if self.thread_split is not None:
                 self.worker.settle()        # its cores are the target's now: it has stopped drafting first
-            elif self.worker_prefills_always and self._worker_back_soon(seqs):
-                # its cores would idle: it prefills the committed blocks as they complete (keep_in_step)
-                self.counters.worker_kept_in_step += self.worker.keep_in_step(seqs)
+            elif self.worker_prefills_always:
+                if self._worker_back_soon(seqs, len(seqs)):
+                    # its cores would idle: it prefills the committed blocks as they complete (keep_in_step)
+                    self.counters.worker_kept_in_step += self.worker.keep_in_step(seqs)
+                else:
+                    self.counters.worker_idle_prefills_skipped += 1
         except ProposerFailed as e:
             self._worker_lost(e)
         return self.proposer
 
-    def _worker_back_soon(self, seqs: list[Sequence]) -> bool:
-        """Whether the worker may serve these sequences again before they end (its next visit as the policy
-        schedules it, in rounds, against the tokens they have left): only then is keeping it in step worth
-        its prefills. They are not free: they run on the worker's core while the target decodes on the
-        other, and on a 2-vCPU VM they slowed the target's plain forwards by about 5-8% at batch 8 in the
-        paper placement, where the worker, measured slower there, was not visited again (1,904 tokens
-        prefilled for nothing; auto / AR 0.92 with them, 1.00 without, on `mixed`)."""
+    def _worker_back_soon(self, seqs: list[Sequence], rows: int) -> bool:
+        """Whether the worker may serve these sequences (in a batch of `rows`) again before they end (its next
+        visit as the policy schedules it, in rounds, against the tokens they have left): only then is keeping
+        it in step, or handing it new prompts in a local stint, worth its prefills. They are not free: they
+        run on the worker's core while the target decodes on the other, and on a 2-vCPU VM they slowed the
+        target's plain forwards by about 5-8% at batch 8 in the paper placement, where the worker, measured
+        slower there, was not visited again (1,904 tokens prefilled for nothing; auto / AR 0.92 with them,
+        1.00 without, on `mixed`)."""
         left = max((s.remaining_tokens() for s in seqs), default=0)
-        return self.regime.worker_visit_in(len(seqs)) < left
+        return self.regime.worker_visit_in(rows) < left
 
     def predicted_rate(self, seqs: list[Sequence], regime: str) -> float | None:
         """auto_ssd: tokens/s of the best plan for `seqs` in a visit of that regime, or None while the
