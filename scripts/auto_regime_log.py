@@ -32,9 +32,9 @@ def pick(self, batch_size, predict=None):
     return out
 R.RegimePolicy.pick = pick
 orig_pr = S.SpeculativeStep.predicted_rate
-def pr(self, seqs, regime):
-    out = orig_pr(self, seqs, regime)
-    if regime == R.WORKER and self.worker_chooser is not None:
+def pr(self, seqs, regime, retake=True):
+    out = orig_pr(self, seqs, regime, retake)
+    if regime == R.WORKER and self.worker_chooser is not None and retake:     # (not _worker_loses_anyway's)
         c = self.worker_chooser.cost; w = c.worker
         acc = self.worker_chooser.acceptance([s.seq_id for s in seqs])
         print(f"[pred] worker n={len(seqs)} -> {out} unit {c.unit} line {[round(x,3) for x in c.target.w.tolist()]} hfull {w.h_full.value:.2f} hpart {w.h_part.value:.2f} hit_s {w.hit_s.value:.3f} per_tok {w.per_token_s.value:.3f} retake {w.retake_s.value:.4f} prefill/token {(self.worker.prefill_s_per_token() or 0) / (c.unit or 1):.4f} rounds {w.rounds} acc {[round(a,2) for a in acc]}", file=sys.stderr, flush=True)

@@ -516,13 +516,16 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
         llm.close()
 
 
-@pytest.mark.parametrize("apart, far", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("apart, far, loses", [(False, False, False), (True, False, False), (True, True, True),
+                                               (True, True, False)])
 def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monkeypatch, tiny_pair, ar_ref, apart,
-                                                                           far):
+                                                                           far, loses):
     """Where the worker's cores stay idle in local rounds, it prefills each new prompt while the target
     does, so a later SSD stint finds the prompt prefix-cached; where the target takes them back it
-    does not (a control); nor where the worker's next visit is scheduled after the requests end (the
-    other control: its prefill would only slow the target's forwards next to it)."""
+    does not (a control); nor where the worker's next visit is scheduled after the requests end and it
+    is predicted slower even holding the contexts (the other control: its prefill would only slow the
+    target's forwards next to it). Scheduled far but predicted to win when it holds them, it still
+    prefills them (leaving them out would keep it losing)."""
     def local(self, batch_size, predict=None):
         self.rounds += 1
         self.current = LOCAL
@@ -530,6 +533,8 @@ def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monke
     monkeypatch.setattr(RegimePolicy, "pick", local)
     if far:
         monkeypatch.setattr(RegimePolicy, "worker_visit_in", lambda self, batch_size: 10**6)
+    from ssd.speculation.step import SpeculativeStep
+    monkeypatch.setattr(SpeculativeStep, "_worker_loses_anyway", lambda self, seqs, rows: loses)
     target, draft = tiny_pair
     llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
               kv_cache_gb=0.05, worker_timeout_s=20)
@@ -542,10 +547,11 @@ def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monke
     try:
         outs = llm.generate(PROMPTS[:3], GREEDY)
         assert [o.token_ids for o in outs] == ar_ref[:3]
-        assert sum(calls) == (3 if apart and not far else 0)
+        skipped = far and loses
+        assert sum(calls) == (3 if apart and not skipped else 0)
         m = llm.engine.spec_metrics()
         assert m.worker_rounds == 0
-        assert (m.worker_idle_prefills_skipped > 0) == far
+        assert (m.worker_idle_prefills_skipped > 0) == skipped
     finally:
         llm.close()
 

@@ -299,7 +299,8 @@ def test_span_stats_counts_forwards_after_the_first_token_and_draft_prefills():
     spans = [Span("target", "prefill", 0.0, 1.0), Span("draft", "prefill", 1.0, 1.5),
              Span("target", "decode", 0.5, 0.6),           # before the first token: not a decode step
              Span("target", "decode", 2.0, 2.1), Span("draft", "draft", 2.1, 2.2),
-             Span("target", "verify", 2.2, 2.5), Span("target", "wait", 2.5, 3.0)]
+             Span("target", "verify", 2.2, 2.5), Span("target", "wait", 2.5, 3.0),
+             Span("draft", "worker prefill", 2.5, 2.9)]    # the SSD worker's, on its own cores: not counted
     ms, prefill = span_stats(spans, first_token=1.6)
     assert ms == pytest.approx(200.0) and prefill == pytest.approx(0.5)
     assert span_stats([], 0.0) == (None, 0.0)

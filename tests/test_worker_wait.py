@@ -192,7 +192,7 @@ def _step(apart: bool):
               worker=NS(prefill_s_per_token=lambda: None),
               proposer=NS(behind=lambda seqs: [0] * len(seqs)), worker_prefills_always=apart,
               thread_split=None if apart else (1, 2), thread_slowdown=None, draft_prefill_per_token=None)
-    step._worker_bound = lambda seqs, acc, caps: SpeculativeStep._worker_bound(step, seqs, acc, caps)
+    step._worker_bound = lambda seqs, acc, caps, *a: SpeculativeStep._worker_bound(step, seqs, acc, caps, *a)
     return step
 
 
@@ -454,3 +454,32 @@ def test_local_rounds_take_the_workers_prefill_price_as_their_catch_up_floor():
     step.worker = NS(prefill_s_per_token=lambda: 0.0035)
     SpeculativeStep._floor_catch_up(step)
     assert local.cost.catch_up_floor == pytest.approx(0.07)
+
+
+@pytest.mark.parametrize("local_vs_held, loses", [
+    (0.8, False),   # the worker wins when it holds the contexts: it keeps prefilling (the trap's case)
+    (1.5, True),    # the control: it loses even holding them, so its idle-time prefills are left out
+])
+def test_the_worker_is_left_idle_only_where_it_loses_even_holding_the_contexts(local_vs_held, loses):
+    """SpeculativeStep._worker_loses_anyway: the worker rounds' prediction without the prefill of what the
+    worker lacks, against the local regime's prediction for the same requests (prune margin). Priced with
+    that prefill (a prompt of 1,200 tokens it never got) the worker looks slower than local in both cases;
+    leaving its prefills out on that ground would keep it so."""
+    from types import SimpleNamespace as NS
+
+    from ssd.speculation.regime import LOCAL, WORKER
+    from ssd.speculation.step import SpeculativeStep
+
+    step = _step(apart=True)
+    step.worker_chooser.cost.worker.retake_s.value = 0.01
+    seqs = [_Seq(0, 1200, True)]
+    held = SpeculativeStep.predicted_rate(step, seqs, WORKER, retake=False)
+    with_prefill = SpeculativeStep.predicted_rate(step, seqs, WORKER)
+    local = held * local_vs_held
+    assert with_prefill < local                  # priced with the prefill it looks slower in both cases
+    step.regime = NS(dwell=16, prune=0.1)
+    step.predicted_rate = lambda s, r, retake=True: \
+        local if r == LOCAL else SpeculativeStep.predicted_rate(step, s, r, retake)
+    assert SpeculativeStep._worker_loses_anyway(step, seqs, 1) == loses
+    step.predicted_rate = lambda s, r, retake=True: None     # unpredicted: it keeps prefilling
+    assert not SpeculativeStep._worker_loses_anyway(step, seqs, 1)

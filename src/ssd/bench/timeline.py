@@ -6,8 +6,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-COLORS = {"prefill": "#999999", "decode": "#1f77b4", "verify": "#1f77b4", "draft": "#ff7f0e",
-          "answer": "#9467bd", "predraft": "#2ca02c", "wait": "#d62728"}
+COLORS = {"prefill": "#999999", "worker prefill": "#bbbbbb", "decode": "#1f77b4", "verify": "#1f77b4",
+          "draft": "#ff7f0e", "answer": "#9467bd", "predraft": "#2ca02c", "wait": "#d62728"}
 
 
 def window(spans: list[tuple[str, str, float, float]], skip_rounds: int = 3, length_s: float = 1.5):

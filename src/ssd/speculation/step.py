@@ -25,7 +25,7 @@ from ssd.engine.step import prefill_and_sample
 from ssd.speculation.chooser import (CATCH_UP_PRIOR, Chooser, CostModel, all_hit_cost, best_plan, expected_tokens,
                                      local_cost, rate)
 from ssd.speculation.proposer import Proposal, Proposer, ProposerFailed
-from ssd.speculation.regime import WORKER, RegimePolicy
+from ssd.speculation.regime import LOCAL, WORKER, RegimePolicy
 from ssd.speculation.stats import SpecCounters
 from ssd.speculation.verifier import verify_and_commit
 from ssd.speculation.worker_wait import WorkerWait
@@ -219,15 +219,34 @@ class SpeculativeStep:
         slower there, was not visited again (1,904 tokens prefilled for nothing; auto / AR 0.92 with them,
         1.00 without, on `mixed`)."""
         left = max((s.remaining_tokens() for s in seqs), default=0)
-        return self.regime.worker_visit_in(rows) < left
+        return self.regime.worker_visit_in(rows) < left or not self._worker_loses_anyway(seqs, rows)
 
-    def predicted_rate(self, seqs: list[Sequence], regime: str) -> float | None:
+    def _worker_loses_anyway(self, seqs: list[Sequence], rows: int) -> bool:
+        """Whether the worker regime, even holding all of these contexts (nothing to prefill at a hand-over),
+        is predicted clearly slower (by the prune margin) than the local regime is predicted for them: only
+        then are its idle-time prefills left out. Both are the model's steady-state predictions, neither
+        calibrated nor measured: a worker stint's measured rate, and its calibration, include the hand-over
+        prefills that leaving these out causes. Paper placement, batch 1 (seventeenth session) with the
+        schedule alone: after one slow worker stint the worker measured 17.1 against the local 19.9, new
+        prompts were no longer sent to it, each one's whole prefill then priced its visits at 11-15 tok/s
+        against 17-20 local, and auto ran 41-58% of its MT-Bench and `mixed` rounds local (0.93 and 0.88 of
+        SSD k=2, from 1.00 and 0.96); gated on the calibrated prediction against the measured local rate
+        it still ran `mixed` all local (0.83)."""
+        if self.worker_chooser is None:
+            return False
+        held = self.predicted_rate(seqs, WORKER, retake=False)
+        local = self.predicted_rate(seqs, LOCAL)
+        if local is None or held is None:
+            return False
+        return held * (1 + self.regime.prune) < local
+
+    def predicted_rate(self, seqs: list[Sequence], regime: str, retake: bool = True) -> float | None:
         """auto_ssd: tokens/s of the best plan for `seqs` in a visit of that regime, or None while the
         rounds it is fitted from have not measured enough. A visit is a stint of `dwell` rounds; its
         switching cost is spread over that stint only (as in a probe): the in-process draft's catch-up on
         what it missed, or the worker's prefill of what it does not hold of the contexts (`retake_tokens`:
         prompts that arrived in local stints where the target had its cores, the tokens committed since
-        it dropped a sequence in a local stint).
+        it dropped a sequence in a local stint); `retake=False` leaves the worker's share of that out.
 
         The worker regime is predicted from the worker rounds' fits (the target's line at the threads it
         has in SSD rounds, the cache hits and the miss wait). The local regime, where the worker is on
@@ -242,11 +261,11 @@ class SpeculativeStep:
         wait = cost.worker
         if regime == WORKER:
             if cost.unit is None or not wait.measured():
-                return self._worker_bound(seqs, acc, caps)
+                return self._worker_bound(seqs, acc, caps, retake)
             plan = best_plan(acc, caps, cost, floor=1)
             tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
-            retake = wait.retake_s.value * retake_tokens(seqs)
-            return tokens / (cost.time_s(plan, 0.0, acc) + retake / dwell) / cost.unit
+            prefill = wait.retake_s.value * retake_tokens(seqs) if retake else 0.0
+            return tokens / (cost.time_s(plan, 0.0, acc) + prefill / dwell) / cost.unit
         behind = self.proposer.behind(seqs)
         local = self.chooser.cost
         if self.worker_prefills_always:
@@ -274,7 +293,8 @@ class SpeculativeStep:
         plan = best_plan(acc, caps, cost, behind, remaining)
         return rate(plan, acc, cost, behind, remaining) / cost.unit
 
-    def _worker_bound(self, seqs: list[Sequence], acc: list[float], caps: list[int]) -> float | None:
+    def _worker_bound(self, seqs: list[Sequence], acc: list[float], caps: list[int],
+                      with_prefill: bool = True) -> float | None:
         """Before the worker has run enough rounds to be predicted, where SSD rounds take cores from the
         target (a thread split, with `thread_slowdown` measured at start): an upper bound on its rate,
         every round a cache hit on the slower target (chooser.all_hit_cost), plus what a visit cannot
@@ -294,7 +314,7 @@ class SpeculativeStep:
         plan = best_plan(acc, caps, bound, floor=1)
         tokens = sum(expected_tokens(a, k) for a, k in zip(acc, plan))
         retake = 0.0
-        if self.draft_prefill_per_token is not None:
+        if self.draft_prefill_per_token is not None and with_prefill:
             context = retake_tokens(seqs)
             retake = self.draft_prefill_per_token * self.thread_slowdown * context / local.unit
         return tokens / (bound.time_s(plan, 0.0, acc) + retake / self.regime.dwell) / bound.unit

@@ -25,7 +25,8 @@ from ssd.speculation.worker.assign import Assignment
 
 log = logging.getLogger(__name__)
 
-_SPAN_NAMES = {m.SpanKind.ANSWER: "answer", m.SpanKind.PREDRAFT: "predraft", m.SpanKind.PREFILL: "prefill"}
+# relayed to the engine's trace ("draft" track); its prefills named apart from the in-process draft's
+_SPAN_NAMES = {m.SpanKind.ANSWER: "answer", m.SpanKind.PREDRAFT: "predraft", m.SpanKind.PREFILL: "worker prefill"}
 
 
 class WorkerProposer:
