@@ -73,7 +73,7 @@ class SpecCounters:
     worker_kept_in_step: int = 0     # tokens the worker prefilled in local stints on cores that would idle
                                      # (WorkerProposer.keep_in_step): a hand-over then prefills only the rest
     worker_idle_prefills_skipped: int = 0   # local stints: rounds and prompt prefills (a batch counts once) at which
-                                            # the worker prefilled nothing, its next visit scheduled after the requests end
+                                            # the worker prefilled nothing (SpeculativeStep._worker_back_soon said no)
     worker_lost: int = 0
     thread_slowdown: float | None = None   # auto_ssd, thread split: target time on SSD-round / local threads
     started: float = field(default_factory=time.perf_counter)
