@@ -162,13 +162,36 @@ def test_a_probe_that_wins_resets_the_interval():
     p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=10**6, start=WORKER)
     rates = {WORKER: 10.0, LOCAL: 20.0}
     run(p, rates, 300)                                       # probes lost: the interval grew
-    assert p.interval[0] >= 128
+    assert p.interval[(WORKER, 0)] >= 128
     rates[WORKER] = 40.0                                     # the worker becomes the faster regime
     seq = run(p, rates, 400)
     assert seq[-50:].count(WORKER) > 40                      # its next probe wins and it stays
     won = seq.index(WORKER)
     stay = won + seq[won:].index(LOCAL)                      # the first probe of local after the win
     assert stay - won <= 32 + 3 * 4                          # came after the base interval again
+
+
+@pytest.mark.parametrize("earned", [False, True])
+def test_a_regime_left_without_losing_a_probe_is_probed_again_at_its_own_interval(earned):
+    """Paper placement, batch 1, `mixed`: the local regime lost its probes (its interval backed off to 256
+    rounds); the worker, left for the local regime on slow requests without losing a probe, must be probed
+    again at its own interval when the requests turn fast, not after the 256 rounds the local regime's
+    lost probes earned. The control (`earned`: the worker's own probes had backed off that far) waits."""
+    p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=1024, start=WORKER)
+    run(p, {WORKER: 20.0, LOCAL: 15.0}, 400)                 # local probes lose and back off
+    assert p.interval[(LOCAL, 0)] >= 128 and (WORKER, 0) not in p.interval
+    for _ in range(40):                                      # slow requests: the worker measures 8
+        run(p, {WORKER: 8.0, LOCAL: 15.0}, 1)
+        if p.current == LOCAL:
+            break
+    assert p.current == LOCAL and p.probe_rounds_left() is None      # left for a faster regime: no probe
+    if earned:
+        p.interval[(WORKER, 0)] = 256
+    seq = run(p, {WORKER: 24.0, LOCAL: 15.0}, 400)            # fast requests: the worker is 1.6x
+    back = seq.index(WORKER)
+    assert (back > 200) if earned else (back <= 32 + 2 * 4)
+    assert seq[-40:] == [WORKER] * 40                         # its probe wins and it stays
+    assert p.interval[(LOCAL, 0)] >= 128                      # the loser's backoff is kept
 
 
 def test_a_probe_stint_says_how_many_rounds_it_has_left():
@@ -322,7 +345,7 @@ def test_a_pruned_probe_backs_off_and_a_better_prediction_lets_it_run():
     assert p.current == LOCAL
     guesses[WORKER] = 5.0                                      # the model says the worker is far slower
     seq = run_predicted(p, rates, guesses, 300)
-    assert WORKER not in seq and p.pruned >= 2 and p.interval[0] >= 128
+    assert WORKER not in seq and p.pruned >= 2 and p.interval[(WORKER, 0)] >= 128
     guesses[WORKER] = 19.0                                     # ... until it does not
     seq = run_predicted(p, rates, guesses, 2000)
     assert WORKER in seq
@@ -340,7 +363,7 @@ def test_a_regime_predicted_clearly_faster_after_the_requests_changed_is_remeasu
     (at least `early_after` rounds after its last measurement), not a backed-off interval later."""
     p = RegimePolicy(dwell=4, probe_every=32, max_probe_every=512, start=WORKER)
     run_predicted(p, {WORKER: 20.0, LOCAL: 15.0}, {WORKER: 20.0}, 300)   # code: the worker wins, probes back off
-    assert p.current == WORKER and p.interval[0] >= 128 and p.early == 0
+    assert p.current == WORKER and p.interval[(LOCAL, 0)] >= 128 and p.early == 0
     seq = run_predicted(p, {WORKER: 20.0, LOCAL: 30.0}, {WORKER: 20.0, LOCAL: guess}, 40)   # chat
     assert (LOCAL in seq) == early and (p.early > 0) == early
     if early:

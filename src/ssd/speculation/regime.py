@@ -13,9 +13,14 @@ the other regime is estimated `hysteresis` faster, or when its estimate is missi
 regime (scaled by its calibration, below) clearly faster than the current one measures (`early`:
 the requests changed since it was measured; a chat set after a code set at batch 4 ran 100% SSD
 rounds at 0.84x AR in the paper placement, the local regime measured on the code set and its next
-probe a backed-off interval away). A probe that loses (the policy goes back) doubles that bucket's
-probe interval, up to `max_probe_every`; one that wins resets it: a stable winner pays for fewer and
-fewer probes, each of which costs a stint in the slower regime and two switches.
+probe a backed-off interval away). A probe that loses (the policy goes back) doubles the interval
+between that regime's probes at that bucket, up to `max_probe_every`; one that wins resets it: a stable
+winner pays for fewer and fewer probes, each of which costs a stint in the slower regime and two
+switches. The intervals are per regime: a regime left for the other without losing a probe (the other
+measured or predicted faster for the requests of the moment) is probed again at its own interval, not at
+the one the other regime's lost probes earned (paper placement, batch 1, `mixed`: the local regime had
+lost a probe, so the interval was 256 rounds; the worker, left for one chat request, then waited those
+256 rounds while SSD k=2 ran about 1.2x the local regime on the code requests that followed).
 
 Measured rates are of the requests that ran then: where the model predicts both regimes for the
 requests running now and both have calibrated stints at this bucket (below), a stint end compares the
@@ -69,7 +74,8 @@ class RegimePolicy:
             raise ValueError("dwell >= 1 and dwell <= probe_every <= max_probe_every are required")
         self.dwell, self.probe_every, self.hysteresis, self.alpha = dwell, probe_every, hysteresis, alpha
         self.max_probe_every = max_probe_every
-        self.interval: dict[int, int] = {}               # bucket -> rounds between probes (backs off)
+        # (regime, bucket) -> rounds between probes of that regime there (backs off as its probes lose)
+        self.interval: dict[tuple[str, int], int] = {}
         self._probing: int | None = None                 # bucket of the probe stint being run, if any
         self.current = start
         self.enabled = True              # False once the worker is gone: local from then on
@@ -128,15 +134,15 @@ class RegimePolicy:
             # worker lost at the nearest smaller batch, it is not visited first at this one (a probe later)
             doubt = theirs is None and other == WORKER and (self.worker_waits or self._worker_lost_below(b))
             better = mine is None and not doubt or theirs is not None and theirs > mine * (1 + self.hysteresis)
-            if self._probing == b:       # the probe stint just measured: back off if it lost
-                base = self.probe_every
-                self.interval[b] = min(2 * self.interval.get(b, base), self.max_probe_every) if better else base
+            if self._probing == b:       # the probe stint just measured: its regime's probes back off if it lost
+                key, base = (self.current, b), self.probe_every
+                self.interval[key] = min(2 * self.interval.get(key, base), self.max_probe_every) if better else base
             self._probing = None
             missing = theirs is None and not doubt
             if doubt:
                 self.seen.setdefault((other, b), self.rounds)
             age = self.rounds - self.seen.get((other, b), -10**9)
-            stale = age > self.interval.get(b, self.probe_every)
+            stale = age > self.interval.get((other, b), self.probe_every)
             # the other regime's estimate is old and the model now predicts it clearly faster (the requests
             # changed since: a chat set after a code set): re-measure it now rather than a backed-off
             # interval later. Only a measured regime (its prediction from fits, not a bound) and not
@@ -150,7 +156,8 @@ class RegimePolicy:
                 self.pruned += 1
                 if theirs is not None or doubt:  # a probe skipped: as if run and lost (next one later)
                     self.seen[(other, b)] = self.rounds
-                    self.interval[b] = min(2 * self.interval.get(b, self.probe_every), self.max_probe_every)
+                    self.interval[(other, b)] = min(2 * self.interval.get((other, b), self.probe_every),
+                                                    self.max_probe_every)
                     # the calibration of a regime not measured since fades: halfway back to 1 per skipped
                     # probe, so one cold or unlucky stint cannot keep a regime from ever being measured
                     # again (a probe runs again within about five backed-off intervals)
@@ -241,7 +248,7 @@ class RegimePolicy:
             return 0
         if worker is not None and (local is None or worker > local):
             return max(self.dwell - self._stint, 0)
-        return max(seen + self.interval.get(b, self.probe_every) - self.rounds, 0)
+        return max(seen + self.interval.get((WORKER, b), self.probe_every) - self.rounds, 0)
 
     def probe_rounds_left(self) -> int | None:
         """Rounds left in the current stint if it is a probe (it will most likely be left after them),
