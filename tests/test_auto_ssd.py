@@ -194,6 +194,23 @@ def test_a_regime_left_without_losing_a_probe_is_probed_again_at_its_own_interva
     assert p.interval[(LOCAL, 0)] >= 128                      # the loser's backoff is kept
 
 
+@pytest.mark.parametrize("batch, worker, lost", [
+    (4, 30.0, True),      # batch 4: measured 25% below the local regime, past the prune margin: lasting
+    (8, 30.0, True),
+    (4, 37.0, False),     # the control: within the margin (37 x 1.1 > 40)
+    (1, 30.0, False),     # the control: batch 1 follows one request at a time, a loss there is not counted
+    (2, 30.0, False),
+])
+def test_a_lost_worker_counts_as_lasting_only_from_batches_of_three(batch, worker, lost):
+    """RegimePolicy.worker_lost_at, which lets the step leave the worker idle in local stints (paper
+    placement: its prefills beside the target's forwards cost those 5-8% on a 2-vCPU VM)."""
+    p = RegimePolicy(dwell=4, probe_every=32, start=WORKER)
+    assert not p.worker_lost_at(batch)                       # nothing measured yet
+    run(p, {WORKER: worker, LOCAL: 40.0}, 40, batch=batch)
+    assert (p.rate[(WORKER, bucket(batch))], p.rate[(LOCAL, bucket(batch))]) == (worker, 40.0)
+    assert p.worker_lost_at(batch) == lost
+
+
 def test_a_probe_stint_says_how_many_rounds_it_has_left():
     """The local chooser must not invest in a catch-up during a probe it will likely leave."""
     p = RegimePolicy(dwell=4, probe_every=1000, start=WORKER)
@@ -539,16 +556,18 @@ def test_switching_regimes_every_round_is_token_identical_to_ar(monkeypatch, tin
         llm.close()
 
 
-@pytest.mark.parametrize("apart, far, loses", [(False, False, False), (True, False, False), (True, True, True),
-                                               (True, True, False)])
+@pytest.mark.parametrize("apart, far, loses, lost", [(False, False, False, False), (True, False, False, False),
+                                                     (True, True, True, False), (True, True, False, False),
+                                                     (True, True, False, True)])
 def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monkeypatch, tiny_pair, ar_ref, apart,
-                                                                           far, loses):
+                                                                           far, loses, lost):
     """Where the worker's cores stay idle in local rounds, it prefills each new prompt while the target
     does, so a later SSD stint finds the prompt prefix-cached; where the target takes them back it
     does not (a control); nor where the worker's next visit is scheduled after the requests end and it
     is predicted slower even holding the contexts (the other control: its prefill would only slow the
-    target's forwards next to it). Scheduled far but predicted to win when it holds them, it still
-    prefills them (leaving them out would keep it losing)."""
+    target's forwards next to it), or measured slower at a batch of 3 or more (`lost`). Scheduled far but
+    predicted to win when it holds them, and not measured slower, it still prefills them (leaving them out
+    would keep it losing)."""
     def local(self, batch_size, predict=None):
         self.rounds += 1
         self.current = LOCAL
@@ -558,6 +577,7 @@ def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monke
         monkeypatch.setattr(RegimePolicy, "worker_visit_in", lambda self, batch_size: 10**6)
     from ssd.speculation.step import SpeculativeStep
     monkeypatch.setattr(SpeculativeStep, "_worker_loses_anyway", lambda self, seqs, rows: loses)
+    monkeypatch.setattr(RegimePolicy, "worker_lost_at", lambda self, batch_size: lost)
     target, draft = tiny_pair
     llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
               kv_cache_gb=0.05, worker_timeout_s=20)
@@ -570,7 +590,7 @@ def test_a_worker_on_cores_of_its_own_prefills_prompts_in_local_stints_too(monke
     try:
         outs = llm.generate(PROMPTS[:3], GREEDY)
         assert [o.token_ids for o in outs] == ar_ref[:3]
-        skipped = far and loses
+        skipped = far and (loses or lost)
         assert sum(calls) == (3 if apart and not skipped else 0)
         m = llm.engine.spec_metrics()
         assert m.worker_rounds == 0

@@ -59,6 +59,8 @@ from collections.abc import Callable
 LOCAL, WORKER = "local", "worker"
 # bounds of one stint's measured / predicted rate (see RegimePolicy._calibrate)
 CALIBRATION_RANGE = (0.5, 1.5)
+# the smallest batch-size bucket (3-4 rows) whose measured loss of the worker counts as lasting (worker_lost_at)
+LASTING_BUCKET = 2
 
 
 def bucket(batch_size: int) -> int:
@@ -249,6 +251,16 @@ class RegimePolicy:
         if worker is not None and (local is None or worker > local):
             return max(self.dwell - self._stint, 0)
         return max(seen + self.interval.get((WORKER, b), self.probe_every) - self.rounds, 0)
+
+    def worker_lost_at(self, batch_size: int) -> bool:
+        """Whether the worker regime measured slower than the local one by the prune margin at this batch
+        size, counted only from batches of 3 or more rows (LASTING_BUCKET): a loss there averages several
+        requests, and on the geometric mean SSD k=2 ran below AR at batch 4 and 8 in every paper-placement
+        grid so far, where at batch 1 or 2 a loss follows one or two requests (the step leaves the worker's
+        idle-time prefills out where it lost so: SpeculativeStep._worker_back_soon)."""
+        b = bucket(batch_size)
+        w, loc = self.rate.get((WORKER, b)), self.rate.get((LOCAL, b))
+        return b >= LASTING_BUCKET and w is not None and loc is not None and w * (1 + self.prune) < loc
 
     def probe_rounds_left(self) -> int | None:
         """Rounds left in the current stint if it is a probe (it will most likely be left after them),
