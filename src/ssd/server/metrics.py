@@ -124,7 +124,8 @@ class ServerMetrics:
         self.auto_worker_idle_skipped = Counter("ssd_auto_worker_idle_prefills_skipped", "auto_ssd, a worker on cores "
                                                 "of its own: local rounds and prompt arrivals at which it prefilled "
                                                 "nothing, its next visit being scheduled after the requests end "
-                                                "and it predicted clearly slower even holding their contexts",
+                                                "and it losing anyway (predicted clearly slower even holding "
+                                                "their contexts, or measured so at a batch of 3 or more)",
                                                 registry=r)
         self.auto_worker_lost = Counter("ssd_draft_worker_lost", "auto_ssd: the draft worker lost (1 once it "
                                         "died or stopped answering; auto goes on with the in-process draft only)", registry=r)
