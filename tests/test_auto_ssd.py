@@ -209,6 +209,8 @@ def test_a_lost_worker_counts_as_lasting_only_from_batches_of_three(batch, worke
     run(p, {WORKER: worker, LOCAL: 40.0}, 40, batch=batch)
     assert (p.rate[(WORKER, bucket(batch))], p.rate[(LOCAL, bucket(batch))]) == (worker, 40.0)
     assert p.worker_lost_at(batch) == lost
+    # a larger batch where the worker has not run: the loss at this one answers, from 3 rows up only
+    assert p.worker_lost_at(16) == (lost and batch >= 3)
 
 
 def test_a_probe_stint_says_how_many_rounds_it_has_left():

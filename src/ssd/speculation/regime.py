@@ -257,10 +257,15 @@ class RegimePolicy:
         size, counted only from batches of 3 or more rows (LASTING_BUCKET): a loss there averages several
         requests, and on the geometric mean SSD k=2 ran below AR at batch 4 and 8 in every paper-placement
         grid so far, where at batch 1 or 2 a loss follows one or two requests (the step leaves the worker's
-        idle-time prefills out where it lost so: SpeculativeStep._worker_back_soon)."""
-        b = bucket(batch_size)
-        w, loc = self.rate.get((WORKER, b)), self.rate.get((LOCAL, b))
-        return b >= LASTING_BUCKET and w is not None and loc is not None and w * (1 + self.prune) < loc
+        idle-time prefills out where it lost so: SpeculativeStep._worker_back_soon). Where the worker has
+        not run at this batch size, the nearest smaller one of 3 or more rows where both regimes were
+        measured answers (SSD's edge shrinks as the batch grows; at batch 8 in the paper placement the
+        worker, having lost at batch 4, was never visited, and its prefills went on beside the target)."""
+        for b in range(bucket(batch_size), LASTING_BUCKET - 1, -1):
+            w, loc = self.rate.get((WORKER, b)), self.rate.get((LOCAL, b))
+            if w is not None:
+                return loc is not None and w * (1 + self.prune) < loc
+        return False
 
     def probe_rounds_left(self) -> int | None:
         """Rounds left in the current stint if it is a probe (it will most likely be left after them),
