@@ -123,9 +123,9 @@ class ServerMetrics:
                                         "sequences back to it prefills only the rest", registry=r)
         self.auto_worker_idle_skipped = Counter("ssd_auto_worker_idle_prefills_skipped", "auto_ssd, a worker on cores "
                                                 "of its own: local rounds and prompt arrivals at which it prefilled "
-                                                "nothing, its next visit being scheduled after the requests end "
-                                                "and it losing anyway (predicted clearly slower even holding "
-                                                "their contexts, or measured so at a batch of 3 or more)",
+                                                "nothing (at a batch of 3 or more: not measured faster than the "
+                                                "local regime there; below: its next visit scheduled after the "
+                                                "requests end and predicted clearly slower even holding them)",
                                                 registry=r)
         self.auto_worker_lost = Counter("ssd_draft_worker_lost", "auto_ssd: the draft worker lost (1 once it "
                                         "died or stopped answering; auto goes on with the in-process draft only)", registry=r)

@@ -217,17 +217,18 @@ class SpeculativeStep:
         run on the worker's core while the target decodes on the other, and on a 2-vCPU VM they slowed the
         target's plain forwards by about 5-8% at batch 8 in the paper placement, where the worker, measured
         slower there, was not visited again (1,904 tokens prefilled for nothing; auto / AR 0.92 with them,
-        1.00 without, on `mixed`). Left out only where the worker also loses anyway: measured so at a batch of
-        3 or more requests (RegimePolicy.worker_lost_at), or predicted so even holding the contexts
-        (_worker_loses_anyway). The prediction alone rarely fired at batch 8 (it does not put the worker 10%
-        below the local regime there) and gave back what the schedule had won (eighteenth session's paper
-        grid: auto / best 0.93, 0.87, 0.93 on HumanEval, MT-Bench, `mixed` at batch 4 and 0.98, 0.99, 0.97
-        at batch 8, against 0.86 (one slow first batch), 0.97, 0.97 and 1.06, 1.01, 0.99 with the schedule
-        alone in the seventeenth session's); the schedule alone, at batch 1, had made one noisy loss
-        permanent (the hand-overs then prefill whole contexts)."""
+        1.00 without, on `mixed`). From batches of 3 requests up they run only where the worker measured
+        faster than the local regime at this batch size (RegimePolicy.worker_unproven_at): gated on a measured
+        loss, or on the schedule, the local stints that measured the worker's rival ran beside them and
+        measured slow (paper grids, batch 4 and 8, eighteenth and nineteenth sessions: auto / AR 0.83-0.93
+        where the gate hardly fired). Below that, they are left out only where the worker loses anyway:
+        its visit is not scheduled before these requests end and it is predicted slower even holding the
+        contexts (_worker_loses_anyway); the schedule alone, at batch 1, had made one noisy loss permanent
+        (the hand-overs then prefill whole contexts)."""
+        if self.regime.worker_unproven_at(rows):
+            return False
         left = max((s.remaining_tokens() for s in seqs), default=0)
-        return self.regime.worker_visit_in(rows) < left or \
-            not (self.regime.worker_lost_at(rows) or self._worker_loses_anyway(seqs, rows))
+        return self.regime.worker_visit_in(rows) < left or not self._worker_loses_anyway(seqs, rows)
 
     def _worker_loses_anyway(self, seqs: list[Sequence], rows: int) -> bool:
         """Whether the worker regime, even holding all of these contexts (nothing to prefill at a hand-over),
