@@ -60,7 +60,7 @@ LOCAL, WORKER = "local", "worker"
 # bounds of one stint's measured / predicted rate (see RegimePolicy._calibrate)
 CALIBRATION_RANGE = (0.5, 1.5)
 # from this batch-size bucket (3-4 rows) up, the worker's idle-time prefills wait for it to win (worker_unproven_at)
-LASTING_BUCKET = 2
+PROVEN_BUCKET = 2
 
 
 def bucket(batch_size: int) -> int:
@@ -253,7 +253,7 @@ class RegimePolicy:
         return max(seen + self.interval.get((WORKER, b), self.probe_every) - self.rounds, 0)
 
     def worker_unproven_at(self, batch_size: int) -> bool:
-        """From batches of 3 rows up (LASTING_BUCKET): whether the worker regime has not measured faster than
+        """From batches of 3 rows up (PROVEN_BUCKET): whether the worker regime has not measured faster than
         the local one at this batch size (either not measured there, or slower). The step then leaves the
         worker's idle-time prefills out of local stints (SpeculativeStep._worker_back_soon), so the local
         regime is measured, and runs, without them: they run on the worker's core while the target decodes
@@ -264,7 +264,7 @@ class RegimePolicy:
         two requests, and leaving the prefills out there made one noisy loss permanent (the hand-overs then
         prefill whole contexts): False there."""
         b = bucket(batch_size)
-        if b < LASTING_BUCKET:
+        if b < PROVEN_BUCKET:
             return False
         w, loc = self.rate.get((WORKER, b)), self.rate.get((LOCAL, b))
         return w is None or loc is None or w <= loc
