@@ -247,6 +247,84 @@ def test_sd_k3_joint_law_catches_bugs_only_deep_positions_reach(monkeypatch, sd_
     assert p < P_FAIL, info
 
 
+# ---------------------------------------------------------------- SD with a reduced draft head
+
+
+def _half_support(law: dict[tuple, float]) -> list[int]:
+    """Every other token of the target law's support (ascending) plus the special ids 0-2: a draft
+    head that can propose only these meets target tokens outside it at every depth."""
+    support = sorted({t for x in law for t in x})
+    return sorted(set(support[::2]) | {0, 1, 2})
+
+
+def _reduced_llm(monkeypatch, tiny_pair, close_draft, base: list[int] | None):
+    """SD, K = SD_K, whose draft scores only `base` (None: the whole vocabulary), no fed tokens added."""
+    import ssd.layers.reduced_head as RH
+
+    if base is not None:
+        monkeypatch.setattr(RH, "base_ids", lambda tok, rows, vocab: (base, "the test's"))
+        monkeypatch.setattr(RH, "MAX_EXTRA", 0)
+    before = torch.get_num_threads()
+    llm = LLM(str(tiny_pair[0]), draft=str(close_draft), mode="sd", k=SD_K, dtype="float32", progress=False,
+              max_num_seqs=256, threads=1, draft_vocab=0 if base is None else len(base))
+    torch.set_num_threads(before)
+    assert (llm.engine.draft.head is None) == (base is None)
+    return llm
+
+
+def test_sd_reduced_draft_head_keeps_the_joint_law(monkeypatch, tiny_pair, close_draft, target_law):
+    """A draft head that scores only half of the target's support (layers/reduced_head.py): the draft
+    proposes only those tokens (asserted on every verified row), the target's other tokens come from
+    the residual (they are in the samples), and the joint law of the first M tokens is the target's."""
+    base = _half_support(target_law)
+    llm = _reduced_llm(monkeypatch, tiny_pair, close_draft, base)
+    kept = set(base)
+    outside = Counter()
+    counts = hook_verify(monkeypatch)
+    real = V.verify
+
+    def spy(target_probs, draft_probs, draft_tokens, accept_u, bonus_u, num_draft=None):
+        for row, n in zip(draft_tokens.tolist(), (num_draft.tolist() if num_draft is not None
+                                                  else [draft_tokens.shape[1]] * draft_tokens.shape[0])):
+            outside["drafted_outside"] += sum(t not in kept for t in row[:n])
+            outside["drafted"] += n
+        return real(target_probs, draft_probs, draft_tokens, accept_u, bonus_u, num_draft)
+
+    monkeypatch.setattr(V, "verify", spy)
+    samples = first_m(llm, SD_N // 2, M)
+    p, info = joint_pvalue(target_law, samples)
+    emitted_outside = sum(t not in kept for x in samples for t in x)
+    print(f"SD reduced head: {info}; {dict(counts)} {dict(outside)}; emitted outside the head {emitted_outside}")
+    assert outside["drafted"] > SD_N and outside["drafted_outside"] == 0, outside
+    assert emitted_outside > 0.2 * SD_N, emitted_outside
+    assert p > P_PASS, info
+
+
+def test_sd_reduced_head_sampled_but_full_q_reported_is_caught(monkeypatch, tiny_pair, close_draft, target_law):
+    """Negative control for the reduced-head test: the draft samples from its distribution cut to the
+    same half of the support but reports the whole head's q to the verifier (the pitfall of cutting the
+    head in one place and not the other). The same test fails decisively."""
+    import ssd.speculation.local_proposer as LP
+
+    base = torch.tensor(_half_support(target_law))
+    llm = _reduced_llm(monkeypatch, tiny_pair, close_draft, None)
+    real_sample = LP.sample
+    planted = Counter()
+
+    def cut_sample(q, generators):
+        cut = torch.zeros_like(q)
+        cut[:, base] = q[:, base]
+        mass = cut.sum(-1, keepdim=True)
+        planted["rows"] += q.shape[0]
+        return real_sample(torch.where(mass > 0, cut / mass.clamp_min(1e-30), q), generators)
+
+    monkeypatch.setattr(LP, "sample", cut_sample)
+    p, info = joint_pvalue(target_law, first_m(llm, SD_N // 2, M))
+    print(f"SD reduced-head control: {info}; {dict(planted)}")
+    assert planted["rows"] > SD_N, planted
+    assert p < P_FAIL, info
+
+
 # ---------------------------------------------------------------- SSD
 
 

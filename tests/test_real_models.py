@@ -83,7 +83,8 @@ def test_smollm2_llama_logits_equal_transformers():
 
 
 def test_sd_and_ssd_equal_ar_on_the_default_pair():
-    """The default CPU path (GGUF low-bit weights, fp16 KV cache), batch of 2, all three modes:
+    """The default CPU path (GGUF low-bit weights, fp16 KV cache), batch of 2, all three modes (SD also
+    with a reduced draft head, SSD with one in its worker):
     bitwise the same tokens (row results of the kernels do not depend on M or batch mates, so no
     near-tie exception is needed here)."""
     ar = LLM(DEFAULT_TARGET, progress=False, kv_cache_gb=0.25)
@@ -95,13 +96,21 @@ def test_sd_and_ssd_equal_ar_on_the_default_pair():
     sd_out = [o.token_ids for o in sd.generate(ids, GREEDY)]
     assert sd.last_stats["acceptance_rate"] > 0.5
     del sd
-    ssd = LLM(DEFAULT_TARGET, draft=DEFAULT_DRAFT, mode="ssd", k=4, progress=False, kv_cache_gb=0.25)
+    # the draft's reduced head (8192 most frequent ids, specials, fed tokens), in process and in the worker
+    cut = LLM(DEFAULT_TARGET, draft=DEFAULT_DRAFT, mode="sd", k=4, progress=False, kv_cache_gb=0.25,
+              draft_vocab=8192)
+    assert cut.engine.draft.head is not None and len(cut.engine.draft.head.base) == 8192
+    cut_out = [o.token_ids for o in cut.generate(ids, GREEDY)]
+    del cut
+    ssd = LLM(DEFAULT_TARGET, draft=DEFAULT_DRAFT, mode="ssd", k=4, progress=False, kv_cache_gb=0.25,
+              draft_vocab=8192)
     try:
         ssd_out = [o.token_ids for o in ssd.generate(ids, GREEDY)]
         assert ssd.engine.degraded_from is None
     finally:
         ssd.close()
     assert sd_out == ref
+    assert cut_out == ref
     assert ssd_out == ref
 
 

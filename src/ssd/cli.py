@@ -20,6 +20,10 @@ def _engine_args(p: argparse.ArgumentParser, default_draft: str | None = None) -
                    "the target verifies) or auto (in-process draft; picks each request's draft length, 0 = a "
                    "plain target step, every round from measured costs); default: auto with a draft, else ar")
     g.add_argument("--k", type=int, default=4, help="draft tokens per speculation round (default %(default)s)")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="the draft scores only the N most frequent token ids, the special tokens and the tokens "
+                   "it was fed (a cheaper draft step, lower acceptance; exact either way: the target verifies "
+                   "every token). Default 0 = the whole vocabulary")
     g.add_argument("--spec-max-batch", type=int, default=None,
                    help="sd/ssd: speculate only while at most this many sequences decode together; larger "
                    "batches decode one token per round (on a CPU a batched verify of K+1 tokens per sequence can "
@@ -118,6 +122,7 @@ def _llm(args, **extra):
                worker_timeout_s=args.worker_timeout, worker_start_timeout_s=args.worker_start_timeout,
                tensor_parallel_size=args.tensor_parallel_size, tp_host=args.tp_host, tp_timeout_s=args.tp_timeout,
                tp_transport=args.tp_transport,
+               **({} if args.draft_vocab is None else {"draft_vocab": args.draft_vocab}),
                **extra)
 
 

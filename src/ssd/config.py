@@ -24,6 +24,9 @@ class EngineConfig:
     dtype: str = "auto"                  # auto | gguf | q8_0 | q4_1 | float32 | bfloat16 | float16 | int8 (CPU)
     draft_dtype: str | None = None       # default: same as dtype. The draft's numerics never change what
                                          # the target emits, so a faster int8 draft stays exact.
+    draft_vocab: int = 0                 # N > 0: the draft scores only the N most frequent token ids, the special
+                                         # tokens and every token it was fed (layers/reduced_head.py); exact
+                                         # either way. 0: the whole vocabulary (measured no faster here, README)
     max_model_len: int = 4096
     kv_cache_gb: float = 1.0             # KV memory of the target; the draft gets the same number of slots
     kv_cache_tokens: int | None = None   # KV slots of the target in tokens (llama.cpp's context size);
@@ -72,6 +75,9 @@ class EngineConfig:
                 raise ValueError(f"mode {self.mode!r} needs a draft model and {self.model!r} has no built-in "
                                  "draft partner: pass draft=... (CLI: --draft), e.g. qwen2.5-coder-0.5b")
         self._resolve_auto_ssd()
+        if not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be an integer >= 0 (0 = the draft scores the whole vocabulary), "
+                             f"got {self.draft_vocab!r}")
         if self.k < 1 or self.k > 16:
             raise ValueError(f"k must be in [1, 16], got {self.k}")
         if self.block_size < 1 or self.max_model_len < 2 or self.kv_cache_gb <= 0:

@@ -12,6 +12,7 @@ from ssd.config import EngineConfig
 from ssd.engine.engine import LLMEngine
 from ssd.engine.trace import Tracer
 from ssd.engine.model_runner import ModelRunner
+from ssd.layers.reduced_head import draft_head
 from ssd.models.loader import LoadedModel, draft_dtype_for, load_model
 from ssd.models.sharing import load_cached
 from ssd.outputs import RequestMetrics, RequestOutput, StreamChunk, aggregate
@@ -72,7 +73,8 @@ class LLM:
             check_vocab_compatible(self.tokenizer, self.draft.tokenizer, mcfg.vocab_size,
                                    self.draft.config.vocab_size)
             draft_runner = self._runner(self.draft, cfg.draft_device or cfg.device,
-                                        target_runner.block_manager.num_blocks)
+                                        target_runner.block_manager.num_blocks,
+                                        head=draft_head(self.draft.model, self.draft.tokenizer, cfg.draft_vocab))
         thread_split = None
         if cfg.mode == "auto" and cfg.auto_ssd:
             thread_split, worker_apart = self._auto_ssd_threads(cfg)
@@ -237,7 +239,8 @@ class LLM:
         model_arg = str(cfg.draft) if gguf_source(str(cfg.draft), progress=False) is not None else str(path)
         wcfg = WorkerConfig(model_arg, self.draft_dtype, cfg.k, self.target.config.vocab_size,
                             target_runner.block_manager.num_blocks, cfg.block_size, self.max_model_len,
-                            cfg.max_num_seqs, cfg.fanout_budget, cfg.saguaro_c, cfg.backup)
+                            cfg.max_num_seqs, cfg.fanout_budget, cfg.saguaro_c, cfg.backup,
+                            draft_vocab=cfg.draft_vocab)
         return start_clients(wcfg, [dict(threads=cfg.draft_threads or 1, cores=c, device=device,
                                           timeout_s=cfg.worker_timeout_s, start_timeout_s=cfg.worker_start_timeout_s,
                                           listen=h) for c, h in zip(cores, listen)])
@@ -274,7 +277,8 @@ class LLM:
         except Exception:
             pass
 
-    def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None, tp=None) -> ModelRunner:
+    def _runner(self, loaded: LoadedModel, device: str, num_blocks: int | None, tp=None,
+                head=None) -> ModelRunner:
         """The target's KV slots: kv_cache_tokens where set, else what fits in kv_cache_gb.
         tp: the tensor-parallel target; kv_cache_gb then sizes rank 0's shard of the cache (its KV
         heads), and every rank holds the same number of slots."""
@@ -286,7 +290,7 @@ class LLM:
             num_blocks = max(int(self.config.kv_cache_gb * 2**30 // (per_token * bs)), 2)
         if tp is not None:
             return tp.runner(num_blocks, bs, device)
-        return ModelRunner(loaded.model, num_blocks, bs, torch.device(device))
+        return ModelRunner(loaded.model, num_blocks, bs, torch.device(device), head)
 
     # ---- inputs -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -39,6 +39,9 @@ def add_bench_parser(sub, engine_args: Callable[..., None]) -> argparse.Argument
                    help=f"comma list of our modes to run (default {DEFAULTS['modes']})")
     g.add_argument("--k", type=_int_list, default=[4],
                    help="draft tokens per round; a comma list (e.g. 2,4,8) sweeps it (default 4)")
+    g.add_argument("--draft-vocab", type=_int_list, default=None,
+                   help="the draft's reduced head (see the engine option); a comma list (e.g. 0,32768) runs every "
+                   "draft mode once per value, labelled vocab=N (default: the engine's)")
     g.add_argument("--datasets", default=None, help=f"comma list from {', '.join(PROMPT_SETS)} (default: all but mixed; mixed "
                         "alternates humaneval and mtbench prompts in one batch)")
     g.add_argument("--num-prompts", type=int, default=None,
@@ -113,6 +116,7 @@ def config_from_args(args):
         peer_assistant_tokens=args.peer_assistant_tokens,
         out_dir=args.out_dir, stem=args.stem, bandwidth=not args.no_bandwidth, warmup=not args.no_warmup,
         title=args.title or ("ssd bench --quick" if args.quick else None),
+        draft_vocabs=args.draft_vocab,
         tensor_parallel_size=args.tensor_parallel_size, tp_transport=getattr(args, "tp_transport", "auto"),
         ssd_options=dict(fanout_budget=args.fanout_budget, saguaro_c=args.saguaro_c, backup=args.backup,
                          draft_threads=args.draft_threads, draft_cores=parse_cores(args.draft_cores),

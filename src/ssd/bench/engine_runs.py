@@ -26,19 +26,25 @@ class EngineSpec:
     label: str
     mode: str
     k: int
+    draft_vocab: int | None = None      # the draft's reduced head (None: the engine's default)
 
 
-def engine_specs(modes: list[str], ks: list[int]) -> list[EngineSpec]:
+def engine_specs(modes: list[str], ks: list[int], draft_vocabs: list[int] | None = None) -> list[EngineSpec]:
     """AR once; SD and SSD at every K; auto once, with the largest K as its cap (it picks 0..K per
-    sequence and round itself)."""
+    sequence and round itself). Every draft mode once per `draft_vocabs` value (labelled `vocab=N`,
+    `vocab=all` for 0, where there are several)."""
     out = []
+    dvs = draft_vocabs or [None]
     for mode in sorted(modes, key=lambda m: m != "ar"):
         if mode == "ar":
             out.append(EngineSpec("ar", "ar", ks[0]))
-        elif mode == "auto":
-            out.append(EngineSpec("auto" if len(ks) == 1 else f"auto k<={ks[-1]}", "auto", ks[-1]))
-        else:
-            out += [EngineSpec(mode if len(ks) == 1 else f"{mode} k={k}", mode, k) for k in ks]
+            continue
+        for dv in dvs:
+            tail = "" if len(dvs) == 1 else f" vocab={dv or 'all'}"
+            if mode == "auto":
+                out.append(EngineSpec(("auto" if len(ks) == 1 else f"auto k<={ks[-1]}") + tail, "auto", ks[-1], dv))
+            else:
+                out += [EngineSpec((mode if len(ks) == 1 else f"{mode} k={k}") + tail, mode, k, dv) for k in ks]
     return out
 
 

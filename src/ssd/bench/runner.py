@@ -90,6 +90,7 @@ class BenchConfig:
     progress: bool = True
     title: str | None = None
     ssd_options: dict = field(default_factory=dict)   # extra LLM(...) settings for mode ssd (fan-out, cores...)
+    draft_vocabs: list[int] | None = None    # draft modes once per reduced-head size (None: the engine default)
     tensor_parallel_size: int = 1            # target sharded over this many CPU ranks (runs record per-rank timings)
     tp_transport: str = "auto"               # their collectives: shared memory on one host, or "gloo"
     prompts: dict[str, list[BenchPrompt]] | None = None   # injected prompts (dataset -> prompts)
@@ -241,7 +242,7 @@ def mode_threads(cfg: BenchConfig, mode: str) -> int | None:
     return cfg.threads
 
 
-def _build_llm(cfg: BenchConfig, mode: str, k: int):
+def _build_llm(cfg: BenchConfig, mode: str, k: int, draft_vocab: int | None = None):
     from ssd import LLM
 
     # equal placement: SSD's target prefills on all the cores (its worker gets the prompt after that)
@@ -256,7 +257,8 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int):
                **({"tp_transport": cfg.tp_transport} if cfg.tensor_parallel_size > 1 else {}),
                **(cfg.ssd_options if mode == "ssd" or mode == "auto" and cfg.auto_ssd else {}),
                **({"auto_ssd": True} if mode == "auto" and cfg.auto_ssd else {}),
-               **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}))
+               **({"spec_max_batch": cfg.spec_max_batch} if mode != "ar" and cfg.spec_max_batch else {}),
+               **({"draft_vocab": draft_vocab} if mode != "ar" and draft_vocab is not None else {}))
 
 
 def bench_kv_tokens(rendered: dict[str, list[list[int]]], batch_size: int, max_tokens: int, k: int,
@@ -337,7 +339,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         machine["bandwidth_device"] = cfg.device
         log.info("measured read bandwidth: %.1f GB/s", bandwidth)
 
-    specs = er.engine_specs(cfg.modes, cfg.ks)
+    specs = er.engine_specs(cfg.modes, cfg.ks, cfg.draft_vocabs)
     rendered: dict[str, list[list[int]]] | None = None
     entries: dict[tuple[str, int, str], dict] = {}
     cells: dict[tuple[str, int, str], er.Cell] = {}
@@ -354,7 +356,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         nonlocal rendered
         log.info("building the %s engine", spec.label)
         t0 = time.perf_counter()
-        llm = _build_llm(cfg, spec.mode, spec.k)
+        llm = _build_llm(cfg, spec.mode, spec.k, spec.draft_vocab)
         load_s[spec.label] = time.perf_counter() - t0
         config.setdefault("engine_dtype", llm.target.dtype_name)
         config.setdefault("target_path", str(llm.target.path))
@@ -451,6 +453,8 @@ def _finish_runs(cfg: BenchConfig, specs, entries, cells, load_s, config, bandwi
                             run["bandwidth_utilization"] = bound / run["measured_ms_per_token"]
                 else:
                     run["k"] = spec.k
+                    if spec.draft_vocab is not None:
+                        run["draft_vocab"] = spec.draft_vocab
                     ref = ar_ids.get(bs, {}).get(dataset)
                     run["matches_ar"] = _matches([o.token_ids for o in outputs], ref) if greedy else None
                     if run["matches_ar"] is not None and run["matches_ar"] < 1.0:

@@ -36,8 +36,12 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
+                 head: torch.nn.Module | None = None):
+        """head: scores the logit rows instead of the model's own LM head (a draft's ReducedHead, which
+        also sees every token fed)."""
         self.model = model
+        self.head = head
         self.device = device
         cfg = model.cfg
         self.block_manager = BlockManager(num_blocks, block_size)
@@ -76,7 +80,7 @@ class ModelRunner:
         hidden = self.run(batch)
         if not batch.logit_rows:
             return [hidden.new_zeros(0, self.model.cfg.vocab_size) for _ in items]
-        logits = self.model.logits(hidden[torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)])
+        logits = (self.head or self.model.logits)(hidden[torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)])
         return list(logits.split([it.num_logits for it in items]))
 
     def pack(self, items: list[ForwardItem]) -> StepBatch:
@@ -105,6 +109,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """The model over one packed batch -> final hidden states [T, hidden]."""
+        if self.head is not None:
+            self.head.observe(batch.tokens)
         meta = AttentionMetadata.build(batch.query_lens, batch.ctx_slots, self.device, kernel=self.attention_kernel)
         t = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)

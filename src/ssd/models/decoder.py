@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from ssd.distributed.sharding import RankShard, check_row_split, plan, vocab_split
-from ssd.kernels.gguf_pack import QWeight
+from ssd.kernels.gguf_pack import QWeight, dequantize
 from ssd.layers.attention import AttentionMetadata, paged_attention
 from ssd.layers.linear import Linear
 from ssd.layers.qlinear import QuantEmbedding, QuantLinear
@@ -173,6 +174,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(get("model.norm.weight").to(self.dtype), cfg.rms_norm_eps)
         head = embed if cfg.tie_word_embeddings else read_part(get, "lm_head.weight", self.vocab_rows)
         self.lm_head = make_linear(head, None)
+        # low-bit head weights as stored (shared with the embedding when tied): a draft's reduced head
+        # (layers/reduced_head.py) takes rows of them
+        self._head_q = head if isinstance(head, QWeight) else None
+        self._make_linear = make_linear
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, self.dtype)
         for m in self.modules():
             if isinstance(m, RMSNorm):
@@ -213,6 +218,36 @@ class DecoderModel(nn.Module):
         """[N, vocab] float32; with a vocab-parallel head, on rank 0 only (None on the other ranks)."""
         out = self.lm_head(hidden).float()
         return out if self.gather is None else self.gather(out, self.vocab_widths)
+
+    def head_weight(self):
+        """The LM head's weights [vocab, hidden] as kept in memory (a QWeight, or a tensor: the plain
+        head's, or the embedding table a tied head shares), or None where only a packed copy of an untied
+        head is kept (FBGEMM), or the head is vocab-parallel."""
+        if self.vocab_rows is not None:
+            return None
+        if self._head_q is not None:
+            return self._head_q
+        if isinstance(self.lm_head, Linear) and self.lm_head.weight is not None:
+            return self.lm_head.weight
+        if self.cfg.tie_word_embeddings and isinstance(self.embed, nn.Parameter):
+            return self.embed
+        return None
+
+    def head_rows(self, ids: list[int]) -> nn.Module:
+        """A linear layer of the LM head's rows `ids` (in that order) in the head's own format."""
+        w = self.head_weight()
+        if w is None:
+            raise ValueError("this model keeps its LM head only packed (or vocab-parallel): it cannot be cut")
+        if isinstance(w, QWeight):
+            return self._make_linear(w.rows(np.asarray(ids, dtype=np.int64)), None)
+        return self._make_linear(w.data[torch.as_tensor(ids, dtype=torch.long)].contiguous(), None)
+
+    def head_dense_rows(self, ids: list[int]) -> torch.Tensor:
+        """The LM head's rows `ids` as float32 [len(ids), hidden] (the stored values)."""
+        w = self.head_weight()
+        if isinstance(w, QWeight):
+            return torch.from_numpy(dequantize(w.rows(np.asarray(ids, dtype=np.int64)))).float()
+        return w.data[torch.as_tensor(ids, dtype=torch.long)].float()
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights read by one decode step (the memory-bandwidth bound's numerator)."""

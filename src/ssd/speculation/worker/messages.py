@@ -63,6 +63,7 @@ class WorkerConfig:
     saguaro_c: float = 1.0
     backup: str = "auto"          # auto | neural | fast
     chains_per_seq: int = 8       # most chains one sequence gets per round (with a big budget)
+    draft_vocab: int = 0          # rows of the draft's reduced head (layers/reduced_head.py); 0: all
 
     kind: ClassVar[Kind] = Kind.CONFIG
 

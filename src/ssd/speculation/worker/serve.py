@@ -25,12 +25,14 @@ def build_worker(cfg: m.WorkerConfig, device: str = "cpu", model_override: str |
     """Load the draft and size its KV pool: the target's block count for sequences, plus the chain
     pool's scratch regions (sized for a full batch)."""
     from ssd.engine.model_runner import ModelRunner
+    from ssd.layers.reduced_head import draft_head
     from ssd.models.loader import load_model
     from ssd.speculation.worker.worker import DraftWorker, pool_size
 
     loaded = load_model(model_override or cfg.model, cfg.dtype, device, cfg.max_model_len + 32, progress=False)
     blocks, regions = pool_size(cfg.num_blocks, cfg.k, cfg.block_size, cfg.max_num_seqs, cfg.chains_per_seq)
-    runner = ModelRunner(loaded.model, blocks, cfg.block_size, torch.device(device))
+    head = draft_head(loaded.model, loaded.tokenizer, cfg.draft_vocab)
+    runner = ModelRunner(loaded.model, blocks, cfg.block_size, torch.device(device), head)
     worker = DraftWorker(runner, cfg.target_vocab, cfg.k, cfg.fanout_budget, cfg.saguaro_c, cfg.backup, regions)
     return worker, loaded.config.vocab_size
 
