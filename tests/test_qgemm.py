@@ -104,6 +104,28 @@ def test_code_paths_are_bitwise_equal(ops, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+def test_prefetch_distance_changes_no_result(ops, fmt):
+    """The codes' software prefetch (any distance, or none) leaves every path's results bitwise
+    unchanged, including distances reaching past the end of the weights (a prefetch never faults)."""
+    N, K = 40, 768
+    _, q = unpacked(fmt, N, K, seed=4)
+    P = gp.pack(q)
+    default = ops.set_prefetch(0)
+    try:
+        assert default > 0
+        for M in (1, 7, 20):
+            x = torch.randn(M, K) * 3
+            ops.set_prefetch(0)
+            ref = {isa: run(ops, P, x, isa=isa) for isa in range(ops.best_isa() + 1)}
+            for dist in (64, default, 1 << 20):
+                ops.set_prefetch(dist)
+                for isa, r in ref.items():
+                    assert torch.equal(run(ops, P, x, isa=isa), r), (isa, dist, M)
+    finally:
+        ops.set_prefetch(default)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
 def test_a_row_does_not_depend_on_M_or_batch_mates(ops, fmt):
     N, K = 64, 512
     _, q = unpacked(fmt, N, K, seed=3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,17 +21,24 @@ def target_linears(model: str):
     return lm, [m for m in lm.model.modules() if m.__class__.__name__ == "QuantLinear"]
 
 
-def time_pass(linears, M: int, repeats: int) -> float:
+def time_pass(linears, M: int, repeats: int, settings: list[Callable[[], None]] | None = None) -> list[float]:
+    """Median ms per pass over `linears` with M rows, once per setting (each applied before its pass;
+    the settings alternate within every repeat, their order reversed every other one, so a drift of
+    the machine falls on all alike)."""
+    settings = settings or [lambda: None]
     xs = {m.in_features: torch.randn(M, m.in_features) for m in linears}
     for m in linears:                       # warm-up
         m(xs[m.in_features])
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for m in linears:
-            m(xs[m.in_features])
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    ts: list[list[float]] = [[] for _ in settings]
+    for rep in range(repeats):
+        order = list(range(len(settings)))
+        for i in order if rep % 2 == 0 else order[::-1]:
+            settings[i]()
+            t0 = time.perf_counter()
+            for m in linears:
+                m(xs[m.in_features])
+            ts[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) * 1e3 for t in ts]
 
 
 def run_kernel_bench(model: str, threads: list[int], rows: list[int], repeats: int = 7) -> dict:
@@ -38,10 +46,14 @@ def run_kernel_bench(model: str, threads: list[int], rows: list[int], repeats: i
     from ssd.kernels.build import ISA_NAMES, forced_isa, load_qgemm
 
     lm, linears = target_linears(model)
+    ops = load_qgemm()
+    prefetch = ops.set_prefetch(0)          # the current distance (set back below)
+    ops.set_prefetch(prefetch)
     nbytes = sum(m.weight_bytes() for m in linears)
     isa = forced_isa()
     isa = load_qgemm().best_isa() if isa < 0 else isa
     out = {"model": model, "linears": len(linears), "weight_bytes": nbytes, "isa": ISA_NAMES[isa],
+           "prefetch_bytes": prefetch,
            "formats": sorted({m.backend for m in linears}), "machine": machine_info(), "results": []}
     prev = torch.get_num_threads()
     try:
@@ -51,11 +63,15 @@ def run_kernel_bench(model: str, threads: list[int], rows: list[int], repeats: i
             bound = nbytes / (bw * 1e9) * 1e3
             t1 = None
             for M in rows:
-                ms = time_pass(linears, M, repeats)
+                # the kernels' software prefetch (qgemm.cpp) on and off, interleaved
+                ms, ms_off = time_pass(linears, M, repeats, [lambda: ops.set_prefetch(prefetch),
+                                                             lambda: ops.set_prefetch(0)])
+                ops.set_prefetch(prefetch)
                 t1 = ms if M == rows[0] else t1
                 out["results"].append({"threads": th, "rows": M, "ms": ms, "bandwidth_gbps": bw,
-                                       "bound_ms": bound, "x_bound": ms / bound, "t_over_t1": ms / t1})
-                log.info("threads %d M %d: %.1f ms (bound %.1f ms)", th, M, ms, bound)
+                                       "bound_ms": bound, "x_bound": ms / bound, "t_over_t1": ms / t1,
+                                       "ms_no_prefetch": ms_off})
+                log.info("threads %d M %d: %.1f ms (without prefetch %.1f; bound %.1f ms)", th, M, ms, ms_off, bound)
         del linears, lm
         torch.set_num_threads(threads[-1])
         out["attention"] = attention_bench([512, 2048, 4096])
@@ -90,11 +106,15 @@ def _gemm_lines(res: dict) -> list[str]:
              "", f"Host: {m['model']}, {m['usable_cpus']} usable CPUs; flags: {' '.join(flags)}",
              f"Kernel path: {res['isa']}; weights as stored: {', '.join(res['formats'])}, "
              f"{res['weight_bytes'] / 1e9:.3f} GB read per pass.", "",
-             "| threads | rows M | ms per pass | bandwidth bound ms (GB/s) | x bound | t(M)/t(1) |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             f"Software prefetch {res.get('prefetch_bytes', '?')} bytes ahead; `no prefetch` is the same pass with it "
+             "off, interleaved with it.", "",
+             "| threads | rows M | ms per pass | no prefetch ms | ratio | bandwidth bound ms (GB/s) | x bound | t(M)/t(1) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["results"]:
-        lines.append(f"| {r['threads']} | {r['rows']} | {r['ms']:.1f} | {r['bound_ms']:.1f} ({r['bandwidth_gbps']:.1f}) "
-                     f"| {r['x_bound']:.2f} | {r['t_over_t1']:.2f} |")
+        off = r.get("ms_no_prefetch")
+        off_s = f"{off:.1f} | {r['ms'] / off:.2f}" if off else "- | -"
+        lines.append(f"| {r['threads']} | {r['rows']} | {r['ms']:.1f} | {off_s} | {r['bound_ms']:.1f} "
+                     f"({r['bandwidth_gbps']:.1f}) | {r['x_bound']:.2f} | {r['t_over_t1']:.2f} |")
     return lines
 
 
@@ -154,5 +174,5 @@ def decode_step_share(model: str, context: int = 256, repeats: int = 9) -> dict:
         ts.append(time.perf_counter() - t0)
     runner.block_manager.free(55_555)
     step = statistics.median(ts) * 1e3
-    lin = time_pass(linears, 1, repeats)
+    lin = time_pass(linears, 1, repeats)[0]
     return {"context": context, "step_ms": step, "linears_ms": lin, "outside_linears_share": max(0.0, 1 - lin / step)}

@@ -46,7 +46,8 @@ def _build_dir() -> Path:
 
 
 def load_qgemm():
-    """The compiled module (`qgemm`, `best_isa`, `paged_attention_rows`). Raises KernelBuildError."""
+    """The compiled module (`qgemm`, `best_isa`, `paged_attention_rows`, `set_prefetch`). Raises
+    KernelBuildError. SSD_QGEMM_PREFETCH sets the GEMM's prefetch distance in bytes (0: off)."""
     global _MODULE
     if _MODULE is not None:
         return _MODULE
@@ -70,6 +71,12 @@ def load_qgemm():
                 raise KernelBuildError(
                     f"could not build the low-bit CPU kernels ({type(e).__name__}: {e}); they need g++ and the "
                     "Python headers. Load the model with dtype='float16' or 'bfloat16' instead.") from e
+            pf = os.environ.get("SSD_QGEMM_PREFETCH", "").strip()
+            if pf:       # bytes of codes the GEMM prefetches ahead (qgemm.cpp; 0 = off), to tune another CPU
+                try:
+                    _MODULE.set_prefetch(int(pf))
+                except ValueError:
+                    raise ValueError(f"SSD_QGEMM_PREFETCH={pf!r}: give a byte count such as 1024 (0 = off)") from None
         return _MODULE
 
 

@@ -95,6 +95,19 @@ inline int code_at(const uint8_t* blk, int bits, int c, int k) {
 
 inline int64_t block_bytes(int64_t bits) { return bits == 8 ? 512 : bits == 6 ? 384 : 256; }
 
+// Codes are prefetched this many bytes ahead of the block being decoded (0: not at all). Each tile's
+// blocks, and the tiles a thread takes, lie one after another, so this runs ahead along the stream.
+// Measured on a 2-core AVX-512 EPYC VM (1.5B target's linear layers, one process, interleaved): M = 1
+// 13% faster on 1 thread, M = 5 / 8 17-29% faster on 1 and 2 threads, with the hardware prefetcher
+// alone falling behind the decode work. Changes no result (tested bitwise).
+int64_t g_prefetch = 1024;
+
+inline void prefetch_codes(const uint8_t* blk, int64_t bytes) {
+  const int64_t pf = g_prefetch;
+  if (pf <= 0) return;
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(blk + pf + o, 0, 3);
+}
+
 // ---------------------------------------------------------------- portable path
 #define SSD_GENERIC_TILE_BODY                                                                    \
   {                                                                                              \
@@ -199,6 +212,7 @@ SSD_AVX2 void row_avx2(const Params& p, const Acts& a, int64_t t, int half, int6
   int64_t cur_sb = -1;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = p.codes + (t * nb + b) * CB + off;
+    if (half == 0) prefetch_codes(blk, CB);       // the second half reads the same lines
     __m256i cv[8];
     decode_half<BITS>(blk, cv);
     const int64_t sbi = (b * BLK) / p.SB;
@@ -267,6 +281,7 @@ SSD_AVX2 void tile_avx2_all(const Params& p, const Acts& a, int64_t t, int64_t M
   int64_t cur_sb = -1;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = p.codes + (t * nb + b) * CB;
+    prefetch_codes(blk, CB);
     for (int h = 0; h < 2; ++h) {
       const uint8_t* bh = blk + h * 32;
       __m256i cv[8];
@@ -375,6 +390,7 @@ SSD_AVX512 void rows_avx512(const Params& p, const Acts& a, int64_t t, int64_t r
   for (int i = 0; i < R; ++i) xrow[i] = a.xq + (r0 + i) * p.K;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = p.codes + (t * nb + b) * CB;
+    prefetch_codes(blk, CB);
     __m512i cv[8];
     if (BITS == 8) {
       for (int g = 0; g < 8; ++g) cv[g] = _mm512_loadu_si512((const void*)(blk + g * 64));
@@ -480,6 +496,12 @@ TileFn pick(int isa, int64_t SUB, int64_t bits, int64_t sym) {
 
 int64_t qgemm_best_isa() { return best_isa(); }
 
+int64_t qgemm_set_prefetch(int64_t bytes) {
+  const int64_t old = g_prefetch;
+  g_prefetch = bytes < 0 ? 0 : bytes;
+  return old;
+}
+
 // x: [M, K] float32 contiguous. Returns [M, N] float32.
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor codes, torch::Tensor dS, torch::Tensor dO,
                     c10::optional<torch::Tensor> sc, c10::optional<torch::Tensor> mn,
@@ -549,4 +571,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "low-bit GGUF GEMM");
   m.def("paged_attention_rows", &paged_attention_rows, "batch-invariant attention over a paged fp16 KV cache");
   m.def("best_isa", &qgemm_best_isa, "0 portable, 1 avx2, 2 avx512-vnni");
+  m.def("set_prefetch", &qgemm_set_prefetch, "bytes of codes prefetched ahead by the AVX-512 path (0: none)");
 }
