@@ -97,9 +97,9 @@ inline int64_t block_bytes(int64_t bits) { return bits == 8 ? 512 : bits == 6 ? 
 
 // Codes are prefetched this many bytes ahead of the block being decoded (0: not at all). Each tile's
 // blocks, and the tiles a thread takes, lie one after another, so this runs ahead along the stream.
-// Measured on a 2-core AVX-512 EPYC VM (1.5B target's linear layers, one process, interleaved): M = 1
-// 13% faster on 1 thread, M = 5 / 8 17-29% faster on 1 and 2 threads, with the hardware prefetcher
-// alone falling behind the decode work. Changes no result (tested bitwise).
+// Measured on a 2-core AVX-512 EPYC VM (`ssd bench --kernels`, the 1.5B target's linear layers, on and
+// off interleaved): M = 1 7% faster on 1 thread and unchanged on 2, M = 5 / 8 17-23% faster on 1 and 2
+// threads; the hardware prefetcher alone fell behind the decode work. Changes no result (tested bitwise).
 int64_t g_prefetch = 1024;
 
 inline void prefetch_codes(const uint8_t* blk, int64_t bytes) {
@@ -571,5 +571,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "low-bit GGUF GEMM");
   m.def("paged_attention_rows", &paged_attention_rows, "batch-invariant attention over a paged fp16 KV cache");
   m.def("best_isa", &qgemm_best_isa, "0 portable, 1 avx2, 2 avx512-vnni");
-  m.def("set_prefetch", &qgemm_set_prefetch, "bytes of codes prefetched ahead by the AVX-512 path (0: none)");
+  m.def("set_prefetch", &qgemm_set_prefetch, "bytes of codes prefetched ahead by the AVX-512 and AVX2 paths (0: none); returns the previous value");
 }
