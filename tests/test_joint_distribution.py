@@ -15,6 +15,9 @@ p-value on every run, and every negative control fails the same way on every run
 - SD, K = 3: most sequences reach a full accept (the bonus comes from p_{K+1}) and a verification of
   the third draft token; asserted with a counting hook on `verify`. Two negative controls break
   exactly those two places and nothing else, so the test demonstrably reaches them.
+- SD with a reduced draft head (layers/reduced_head.py) that keeps every other token of the target's
+  support: the target's other tokens come only from the residual. Control: the draft samples from the
+  cut distribution but reports the whole head's q.
 - SSD, K = 2, Saguaro C = 0.3, fixed fan-out budget, the draft worker in-process and pre-drafting
   fully: a large share of rounds is served from the speculation cache, inside the first M tokens
   (asserted). The negative control ships the plain warped q instead of Saguaro's q' on cache hits
@@ -24,6 +27,9 @@ p-value on every run, and every negative control fails the same way on every run
 Observed (deterministic; each test prints its p-value and counts, shown with -s):
 SD real p = 0.65; SD controls p = 9e-76 (third token against the wrong q), 1e-18 (full-accept bonus);
 SSD real p = 0.40; SSD control p = 6e-25; two workers, one failing: real p = 0.65, control p = 7e-20.
+SD with a reduced draft head keeping half of the target's support (no token drafted outside it, 6808
+of 12288 emitted tokens outside it): real p = 0.42; control (sampled from the cut head, the whole
+head's q reported) p = 0 (underflow).
 
 Runtime: the tiny models are fast, but on a shared 2-core machine two OpenMP threads per tiny op are
 10-40x slower than one (thread hand-off under contention), so the engines here run with threads=1;
