@@ -10,7 +10,6 @@ follow, lowest id first.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sysconfig
 from collections import Counter
