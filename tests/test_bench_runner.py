@@ -364,3 +364,18 @@ def test_mixed_prompt_set_alternates_code_and_chat():
     ps = load_prompts("mixed", 5)
     assert [p.dataset for p in ps] == ["humaneval", "mtbench", "humaneval", "mtbench", "humaneval"]
     assert [p.id for p in ps[::2]] == [p.id for p in load_prompts("humaneval", 3)]
+
+
+def test_reduced_head_runs_report_what_a_draft_step_reads(tiny_pair, tmp_path):
+    """`--draft-vocab`: a `vocab=N` run reports the reduced head's draft bytes per step, in process (SD)
+    and for a worker's head (SSD, built on the shared weights); the config keeps the whole draft's."""
+    cfg = _cfg(tiny_pair, tmp_path, modes=["ar", "sd", "ssd"], k=2, draft_vocabs=[0, 32],
+               prompts={"code": PROMPTS["code"]}, bandwidth=False, warmup=False,
+               ssd_options={"worker_timeout_s": 30})
+    res = run_bench(cfg)
+    runs = {r["label"]: r for r in res["runs"]}
+    whole = res["config"]["draft_weight_bytes_per_token"]
+    assert "draft_weight_bytes_per_token" not in runs["sd vocab=all"]
+    cut = runs["sd vocab=32"]["draft_weight_bytes_per_token"]
+    assert 0 < cut < whole and runs["ssd vocab=32"]["draft_weight_bytes_per_token"] == cut
+    assert all(r["matches_ar"] == 1.0 for r in res["runs"] if r["mode"] != "ar")

@@ -46,6 +46,18 @@ def test_fed_tokens_join_until_the_cap(tiny_model):
     torch.testing.assert_close(head(h)[:, [50, 60, 70]], tiny_model.logits(h)[:, [50, 60, 70]])
 
 
+def test_step_weight_bytes_counts_the_kept_rows_instead_of_the_whole_head(tiny_model):
+    """What `ssd bench` reports per draft step for a `vocab=N` run (runner._reduced_draft_bytes)."""
+    whole = tiny_model.weight_bytes_per_token()
+    head = RH.ReducedHead(tiny_model, [0, 1, 2, 3], max_extra=8)
+    head_bytes = tiny_model.lm_head.weight_bytes()
+    row = head_bytes // tiny_model.cfg.vocab_size
+    assert RH.step_weight_bytes(tiny_model, None) == whole
+    assert RH.step_weight_bytes(tiny_model, head) == whole - head_bytes + 4 * row
+    head.observe([50, 60])                        # fed rows: float32
+    assert RH.step_weight_bytes(tiny_model, head) == whole - head_bytes + 4 * row + 2 * tiny_model.cfg.hidden_size * 4
+
+
 def test_bad_base_and_sizes_are_refused(tiny_model):
     with pytest.raises(ValueError, match="ascending"):
         RH.ReducedHead(tiny_model, [5, 3])

@@ -56,7 +56,8 @@ def add_bench_parser(sub, engine_args: Callable[..., None]) -> argparse.Argument
                    help="run the configurations one after another (one engine in memory at a time) instead of "
                         "alternating them batch by batch (the default: run order then cannot bias the comparison)")
     g.add_argument("--peers", default=None,
-                   help="comma list of transformers peers: hf, hf-assisted (default: none)")
+                   help="comma list of peers: hf, hf-assisted (transformers), llama.cpp (llama-cpp-python on the "
+                        "same GGUF files; optional, see README) (default: none)")
     g.add_argument("--peer-assistant-tokens", type=int, default=None,
                    help="draft length of hf-assisted (default: transformers' own schedule)")
     g.add_argument("--placement", choices=["paper", "equal"], default="paper",

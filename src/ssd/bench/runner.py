@@ -261,6 +261,24 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int, draft_vocab: int | None = No
                **({"draft_vocab": draft_vocab} if mode != "ar" and draft_vocab is not None else {}))
 
 
+def _reduced_draft_bytes(cfg: BenchConfig, llm) -> int:
+    """Bytes of weights a draft step reads with a reduced head (`--draft-vocab N`), as the head starts
+    (base rows and special tokens; the fed rows it adds later are float32, hidden * 4 bytes each). An
+    SSD worker's head lives in its process: an identical one is built here on the shared draft weights."""
+    from ssd.layers.reduced_head import draft_head, step_weight_bytes
+
+    runner = getattr(llm.engine, "draft", None)
+    if llm.draft is not None and getattr(runner, "head", None) is not None:
+        return step_weight_bytes(llm.draft.model, runner.head)
+    from ssd.models.loader import load_model
+    from ssd.models.sharing import load_cached
+
+    ec = llm.config
+    draft = load_cached(load_model, ec.draft, llm.draft_dtype, ec.draft_device or ec.device,
+                        ec.max_model_len + 32, False)
+    return step_weight_bytes(draft.model, draft_head(draft.model, draft.tokenizer, ec.draft_vocab))
+
+
 def bench_kv_tokens(rendered: dict[str, list[list[int]]], batch_size: int, max_tokens: int, k: int,
                     block_size: int = 16) -> int:
     """KV slots an engine needs for this run: the `batch_size` longest contexts (prompt, output and
@@ -345,6 +363,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     cells: dict[tuple[str, int, str], er.Cell] = {}
     timelines: dict[str, list] = {}
     load_s: dict[str, float] = {}
+    draft_bytes: dict[str, int] = {}   # labels with a reduced draft head: what one draft step reads
 
     if specs and cfg.kv_cache_gb is None and cfg.kv_cache_tokens is None:
         cfg = dataclasses.replace(cfg, kv_cache_tokens=_sized_kv_tokens(cfg, prompts))
@@ -364,6 +383,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         if llm.draft is not None:
             config.setdefault("draft_path", str(llm.draft.path))
             config.setdefault("draft_weight_bytes_per_token", llm.draft.model.weight_bytes_per_token())
+        if spec.draft_vocab:
+            draft_bytes[spec.label] = _reduced_draft_bytes(cfg, llm)
         if rendered is None:
             rendered = _render(prompts, llm.tokenizer, llm.max_model_len, cfg.max_tokens)
         if cfg.warmup:
@@ -380,6 +401,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             run.update(er.spec_stats(llm, spec.mode, cell.before, cell.after))
             if cell.tp_before is not None:
                 run["tensor_parallel"] = tp_run_stats(cell.tp_before, cell.tp_after)
+            if lab in draft_bytes:
+                run["draft_weight_bytes_per_token"] = draft_bytes[lab]
             entries[(lab, bs, dataset)] = run
         cells.update(got)
         for lab, llm in llms.items():

@@ -141,6 +141,12 @@ def special_ids(tokenizer) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
+def step_weight_bytes(model, head: ReducedHead | None) -> int:
+    """Bytes of weights one draft step reads with this head (None: the model's own, whole head)."""
+    whole = model.weight_bytes_per_token()
+    return whole if head is None else whole - model.lm_head.weight_bytes() + head.weight_bytes()
+
+
 def draft_head(model, tokenizer, rows: int) -> ReducedHead | None:
     """The reduced head for a draft (None: score the whole vocabulary; rows = 0 asks for that, and a
     head whose weights are kept only packed cannot be cut, which is logged)."""
