@@ -261,7 +261,7 @@ def _build_llm(cfg: BenchConfig, mode: str, k: int, draft_vocab: int | None = No
                **({"draft_vocab": draft_vocab} if mode != "ar" and draft_vocab is not None else {}))
 
 
-def _reduced_draft_bytes(cfg: BenchConfig, llm) -> int:
+def _reduced_draft_bytes(llm) -> int:
     """Bytes of weights a draft step reads with a reduced head (`--draft-vocab N`), as the head starts
     (base rows and special tokens; the fed rows it adds later are float32, hidden * 4 bytes each). An
     SSD worker's head lives in its process: an identical one is built here on the shared draft weights."""
@@ -384,7 +384,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             config.setdefault("draft_path", str(llm.draft.path))
             config.setdefault("draft_weight_bytes_per_token", llm.draft.model.weight_bytes_per_token())
         if spec.draft_vocab:
-            draft_bytes[spec.label] = _reduced_draft_bytes(cfg, llm)
+            draft_bytes[spec.label] = _reduced_draft_bytes(llm)
         if rendered is None:
             rendered = _render(prompts, llm.tokenizer, llm.max_model_len, cfg.max_tokens)
         if cfg.warmup:
