@@ -51,7 +51,7 @@ def run_kernel_bench(model: str, threads: list[int], rows: list[int], repeats: i
     ops.set_prefetch(prefetch)
     nbytes = sum(m.weight_bytes() for m in linears)
     isa = forced_isa()
-    isa = load_qgemm().best_isa() if isa < 0 else isa
+    isa = ops.best_isa() if isa < 0 else isa
     out = {"model": model, "linears": len(linears), "weight_bytes": nbytes, "isa": ISA_NAMES[isa],
            "prefetch_bytes": prefetch,
            "formats": sorted({m.backend for m in linears}), "machine": machine_info(), "results": []}
