@@ -114,7 +114,8 @@ class ServerMetrics:
                                             registry=r)
         self.auto_regime_early = Counter("ssd_auto_regime_early_probes", "auto_ssd: visits of the other regime run "
                                          "before their probe interval because the model predicted it clearly "
-                                         "faster", registry=r)
+                                         "faster, or to re-measure a single local stint that measured far below "
+                                         "its prediction", registry=r)
         self.auto_regime_restated = Counter("ssd_auto_regime_restated", "auto_ssd: stint ends that compared both "
                                             "regimes by their calibrated predictions for the requests running "
                                             "then instead of their measured rates", registry=r)

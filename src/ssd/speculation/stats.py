@@ -67,7 +67,8 @@ class SpecCounters:
     regime_visits_deferred: int = 0  # stint ends at which a first visit waited (for a prediction, or: SSD lost
                                      # at a smaller batch)
     regime_early_probes: int = 0     # probes run before their interval: the model predicted the other regime
-                                     # clearly faster than the current one measured
+                                     # clearly faster than the current one measured, or the local regime's
+                                     # one stint there measured far below its prediction (a re-measure)
     regime_restated: int = 0         # stint ends that compared both regimes' calibrated predictions for the
                                      # requests running then, not their measured estimates (RegimePolicy.pick)
     worker_kept_in_step: int = 0     # tokens the worker prefilled in local stints on cores that would idle
