@@ -1,6 +1,6 @@
 """Replay a regime log (from scripts/auto_regime_log.py) against the current RegimePolicy (a diagnostic).
 
-Usage: .venv/bin/python scripts/regime_replay.py <log> [--equal] [--from ROUND]
+Usage: .venv/bin/python scripts/regime_replay.py <log> [--equal]
 
 The log holds, at every stint end, what the stint measured per batch-size bucket (tokens, seconds,
 rounds) and the predictions the model made then. Fed those, the policy in the working tree decides each

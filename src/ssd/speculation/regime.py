@@ -225,9 +225,10 @@ class RegimePolicy:
 
     def _doubtful(self, predict, regime: str, mine: float | None, b: int) -> bool:
         """Whether the local regime's estimate at bucket b rests on one stint (its rate and its calibration
-        there) that measured far below the model's prediction (DOUBTFUL_RATIO), and the prediction without that stint's calibration is not
-        clearly slower (the prune margin) than the current regime: then it is measured again (at least
-        `early_after` rounds after that stint, once per bucket), not a probe interval later. The local
+        there) that measured far below the model's prediction (DOUBTFUL_RATIO), and the prediction without
+        that stint's calibration is not clearly slower (the prune margin) than the current regime: then it
+        is measured again (at least `early_after` rounds after that stint, once per bucket), not a probe
+        interval later (this call records that re-measure: it answers True once per regime and bucket). The local
         regime's switch costs are priced by the model (the draft's catch-up), so one stint far below it is
         more likely the VM's noise (stint to stint +-20%) than the regime. Paper placement, batch 4
         (twenty-second session's grid): the local regime's first stint there measured 25.0 tok/s against
@@ -237,7 +238,8 @@ class RegimePolicy:
         (the hand-over prefills; in the equal placement the target on fewer cores) is partly outside the
         model, and a first stint there at 0.63 of its prediction was the regime, not noise."""
         key = (regime, b)
-        if regime != LOCAL or key in self._rechecked or self.calibrated.get(key) != 1 or self.measured.get(key) != 1 or \
+        one_stint = self.calibrated.get(key) == 1 and self.measured.get(key) == 1
+        if regime != LOCAL or key in self._rechecked or not one_stint or \
                 self.calibration.get(key, 1.0) >= DOUBTFUL_RATIO or predict is None or mine is None:
             return False
         guess = predict(regime)
