@@ -424,11 +424,11 @@ def test_an_early_probe_that_loses_lowers_its_regimes_prediction_and_is_not_repe
     assert p.early == 1 and seq.count(LOCAL) == 4
 
 
-def run_stints(policy: RegimePolicy, rates: dict, guesses: dict[str, float | None],
-               rounds: int, batch: int = 1) -> list[str]:
+def run_stints(policy: RegimePolicy, rates: dict[str, list[float]], guesses: dict[str, float | None],
+               rounds: int, batch: int, stints: dict[str, int]) -> list[str]:
     """As run_predicted, but each regime's stints measure the rates of its list in turn (the last one from
-    then on; stints are counted across calls for the same `rates`)."""
-    out, stints = [], rates.setdefault("stints", {LOCAL: 0, WORKER: 0})
+    then on); `stints` counts each regime's stints so far (shared across calls on one policy)."""
+    out = []
     for _ in range(rounds):
         r = policy.pick(batch, guesses.get)
         if policy._stint == 0:
@@ -448,12 +448,12 @@ def test_one_local_stint_far_below_its_prediction_is_measured_again_soon(first_l
     measured 25.0 tok/s against 32.3 predicted (later ones 35-41); as its rate and its calibration (0.77)
     it kept the worker (31-32) serving about 240 rounds while AR ran 1.2x SSD k=2. Re-measured, it measures
     38 and serves on."""
-    p = RegimePolicy(dwell=16, probe_every=128, start=LOCAL)
+    p, stints = RegimePolicy(dwell=16, probe_every=128, start=LOCAL), {LOCAL: 0, WORKER: 0}
     rates = {LOCAL: [first_local, 38.0], WORKER: [32.0]}
-    seq = run_stints(p, rates, {LOCAL: 32.3, WORKER: 30.0}, 17, batch=4)
+    seq = run_stints(p, rates, {LOCAL: 32.3, WORKER: 30.0}, 17, 4, stints)
     assert seq[:16] == [LOCAL] * 16 and seq[16] == WORKER
     assert p.calibration[(LOCAL, 2)] == pytest.approx(first_local / 32.3)
-    seq = run_stints(p, rates, {LOCAL: 33.0, WORKER: 30.0}, 112, batch=4)
+    seq = run_stints(p, rates, {LOCAL: 33.0, WORKER: 30.0}, 112, 4, stints)
     assert (LOCAL in seq) == rechecked and p.early == rechecked
     if rechecked:
         assert seq.index(LOCAL) == 47 and seq[-1] == LOCAL     # round 65; measured 38, it stays
@@ -462,15 +462,16 @@ def test_one_local_stint_far_below_its_prediction_is_measured_again_soon(first_l
 def test_a_doubtful_local_stint_is_measured_again_once_and_not_where_even_its_prediction_loses():
     p = RegimePolicy(dwell=16, probe_every=128, max_probe_every=1024, start=LOCAL)
     rates = {LOCAL: [25.0], WORKER: [32.0]}                    # the local regime is slow: its re-measure too
-    seq = run_stints(p, rates, {LOCAL: 32.3, WORKER: 30.0}, 128, batch=4)
+    seq = run_stints(p, rates, {LOCAL: 32.3, WORKER: 30.0}, 128, 4, {LOCAL: 0, WORKER: 0})
     assert seq.count(LOCAL) == 32 and p.early == 1             # its first stint and one re-measure
     q = RegimePolicy(dwell=16, probe_every=128, start=LOCAL)
     # the prediction alone, uncalibrated, is clearly slower than the worker measures: no re-measure
-    seq = run_stints(q, {LOCAL: [15.0], WORKER: [32.0]}, {LOCAL: 20.0, WORKER: 30.0}, 128, batch=4)
+    seq = run_stints(q, {LOCAL: [15.0], WORKER: [32.0]}, {LOCAL: 20.0, WORKER: 30.0}, 128, 4, {LOCAL: 0, WORKER: 0})
     assert seq.count(LOCAL) == 16 and q.early == 0
     # nor is the worker's first stint doubted (its visit pays costs the model does not see)
     w = RegimePolicy(dwell=16, probe_every=128, start=WORKER)
-    seq = run_stints(w, {WORKER: [20.0, 32.0], LOCAL: [30.0]}, {LOCAL: 30.0, WORKER: 30.0}, 128, batch=4)
+    seq = run_stints(w, {WORKER: [20.0, 32.0], LOCAL: [30.0]}, {LOCAL: 30.0, WORKER: 30.0}, 128, 4,
+                     {LOCAL: 0, WORKER: 0})
     assert seq.count(WORKER) == 16 and w.early == 0
 
 

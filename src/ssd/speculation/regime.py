@@ -160,8 +160,12 @@ class RegimePolicy:
             # changed since: a chat set after a code set): re-measure it now rather than a backed-off
             # interval later. Only a measured regime (its prediction from fits, not a bound) and not
             # sooner than `early_after` rounds after its last measurement
-            promising = not (better or stale) and theirs is not None and age > self.early_after and \
-                (self._predicted_faster(predict, other, mine, b) or self._doubtful(predict, other, mine, b))
+            window = not (better or stale) and theirs is not None and age > self.early_after
+            fast = window and self._predicted_faster(predict, other, mine, b)
+            doubted = window and not fast and self._doubtful(predict, other, mine, b)
+            if doubted:                  # re-measured once per regime and bucket
+                self._rechecked.add((other, b))
+            promising = fast or doubted
             self.early += promising
             if not better and (missing and self._await_prediction(predict, other) or doubt and not stale):
                 self.deferred += 1
@@ -227,8 +231,8 @@ class RegimePolicy:
         """Whether the local regime's estimate at bucket b rests on one stint (its rate and its calibration
         there) that measured far below the model's prediction (DOUBTFUL_RATIO), and the prediction without
         that stint's calibration is not clearly slower (the prune margin) than the current regime: then it
-        is measured again (at least `early_after` rounds after that stint, once per bucket), not a probe
-        interval later (this call records that re-measure: it answers True once per regime and bucket). The local
+        is measured again (at least `early_after` rounds after that stint, once per bucket: pick records
+        it in `_rechecked`), not a probe interval later. The local
         regime's switch costs are priced by the model (the draft's catch-up), so one stint far below it is
         more likely the VM's noise (stint to stint +-20%) than the regime. Paper placement, batch 4
         (twenty-second session's grid): the local regime's first stint there measured 25.0 tok/s against
@@ -243,10 +247,7 @@ class RegimePolicy:
                 self.calibration.get(key, 1.0) >= DOUBTFUL_RATIO or predict is None or mine is None:
             return False
         guess = predict(regime)
-        if guess is None or guess * (1 + self.prune) < mine:
-            return False
-        self._rechecked.add(key)
-        return True
+        return guess is not None and guess * (1 + self.prune) >= mine
 
     def _calibrated(self, predict, regime: str, b: int) -> float | None:
         """The model's rate for `regime` now, scaled by how its stints at bucket b measured against the
