@@ -269,12 +269,6 @@ def test_a_draft_that_sat_out_the_rounds_since_the_last_probe_is_still_probed():
     assert [far.plan([1], [3], behind=[40]) for _ in range(16)][15] == [0]     # a long catch-up: no probe
 
 
-def dear_rows_cost() -> CostModel:
-    """Draft and verify rows dear (0.12 and 0.3 of a target step each): drafting for every request of a
-    batch of 4 pays only at a near-perfect acceptance."""
-    return model(a=1.0, b=0.3, c=0.35, d=0.12, e=0.05)
-
-
 def measured_2_thread_cost() -> CostModel:
     """The cost model auto measured for the default pair on 2 threads (draft step 34% of a target step)."""
     return model(a=1.0, b=0.1, c=0.336, d=0.066, e=0.02)
@@ -592,40 +586,6 @@ def test_exploration_finds_a_request_that_accepts_and_leaves_one_that_does_not(z
         assert early >= 35 and late <= 13
     else:
         assert early <= 5
-
-
-@pytest.mark.parametrize("cap", [OPTIMISTIC_ACCEPTANCE, 0.999])
-def test_fresh_requests_are_not_explored_where_only_near_perfect_acceptance_would_pay(monkeypatch, cap):
-    """Four fresh requests in a batch (estimates 0.9 on two rounds' evidence: 0.999 one deviation up),
-    where a draft token pays only above OPTIMISTIC_ACCEPTANCE: none is explored. The control (the cap
-    lifted to 0.999, as before it) drafts one token for each of the four in the same round."""
-    monkeypatch.setattr(chooser, "OPTIMISTIC_ACCEPTANCE", cap)
-    ch = Chooser(k=4)
-    ch.cost = dear_rows_cost()
-    for i in range(1, 5):
-        ch.per_seq[i] = AcceptanceEstimate(0.9, strength=2.0)
-    assert ch._acc(1).upper(1.0) > 0.99
-    rows = dict(behind=[2] * 4, remaining=[60] * 4)
-    assert best_plan([OPTIMISTIC_ACCEPTANCE] * 4, [4] * 4, ch.cost, **rows) == [0] * 4
-    assert ch.plan([1, 2, 3, 4], [4] * 4, **rows) == ([0] * 4 if cap < 0.99 else [1] * 4)
-
-
-@pytest.mark.parametrize("behind", [8, 300])
-def test_only_a_near_draft_is_explored(behind):
-    """A request estimated at 0.4 on two rounds' evidence (0.68 one deviation up, where drafting would pay
-    even with a 300-token catch-up charged) is explored while its draft is near; a lazy draft 300 tokens
-    behind (its prompt) is left to the probes, which price its catch-up (before, it was explored wherever
-    that catch-up came under a tenth of the request's plain rounds, as it does here)."""
-    ch = Chooser(k=4)
-    ch.cost = measured_2_thread_cost()
-    ch.per_seq[1] = AcceptanceEstimate(0.4, strength=2.0)
-    rest = dict(remaining=[200])
-    assert best_plan([0.4], [4], ch.cost, [behind], **rest) == [0]
-    assert best_plan([ch._acc(1).upper(1.0)], [4], ch.cost, [300], **rest) == [1]
-    assert ch._catch_up_affordable(0, 1, [300], **rest)
-    near = behind <= ch.probe_every
-    assert ch.plan([1], [4], behind=[behind], **rest) == ([1] if near else [0])
-    assert ch.explorations == (1 if near else 0)
 
 
 @pytest.mark.parametrize("z", [1.0, 0.0])

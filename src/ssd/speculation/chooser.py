@@ -445,12 +445,6 @@ STALE_ROUNDS = 64
 # re-measured only by a probe every 16 rounds (auto ran 36% of its MT-Bench rows plain in the equal
 # placement at batch 1, where SD k=2 was 1.17x AR). The loss of such a round is bounded by how close
 # drafting is to paying; with evidence the bound tightens and a request that does not pay stays plain.
-# The optimistic acceptance is capped at OPTIMISTIC_ACCEPTANCE, as a probe's (a request measured over
-# two or three rounds is 0.999 one deviation up, where drafting pays at any batch size), and only a
-# draft at most `probe_every` tokens behind is explored (a lazy draft is left to the probes, which
-# price its catch-up). Uncapped, in the equal placement at batch 4 (AR 1.35x SD k=2), auto explored
-# every new request, all rows of a batch in one round: one such round, catching three lazy drafts up
-# on 437 tokens of prompt, took 1087 ms against 56 for a plain one; auto / AR 0.95 on `mixed`.
 EXPLORE_Z = 1.0
 
 
@@ -607,20 +601,19 @@ class Chooser:
 
     def _explore(self, seq_ids: list[int], plan: list[int], caps: list[int], behind: list[int],
                  remaining: list[int] | None) -> int:
-        """One draft token for each sequence at 0, its draft at most `probe_every` tokens behind, that the
-        plan would draft for at its optimistic acceptance (EXPLORE_Z deviations up, at most
-        OPTIMISTIC_ACCEPTANCE; its batch mates as estimated, its catch-up charged). -> how many were
-        given one."""
-        idle = [b for b, (k, c) in enumerate(zip(plan, caps)) if k == 0 and c > 0 and behind[b] <= self.probe_every]
+        """One draft token for each sequence at 0 that the plan would draft for at its optimistic
+        acceptance (its batch mates as estimated, its catch-up charged; a draft far behind only where the
+        catch-up is affordable, as for a probe). -> how many were given one."""
+        idle = [b for b, (k, c) in enumerate(zip(plan, caps)) if k == 0 and c > 0]
         if not idle:
             return 0
         trial = self.acceptance(seq_ids)
         for b in idle:
-            trial[b] = max(trial[b], min(self._acc(seq_ids[b]).upper(self.explore_z), OPTIMISTIC_ACCEPTANCE))
+            trial[b] = self._acc(seq_ids[b]).upper(self.explore_z)
         hopeful = best_plan(trial, caps, self.cost, behind, remaining, floor=self.floor)
         explored = 0
         for b in idle:
-            if hopeful[b] > 0:
+            if hopeful[b] > 0 and self._catch_up_affordable(b, len(plan), behind, remaining):
                 plan[b] = 1
                 explored += 1
         return explored
