@@ -621,8 +621,8 @@ class Chooser:
         trial = list(acc)
         for b in idle:
             trial[b] = upper[b]
-        # all idle rows optimistic at once first: one best_plan, and a row it leaves plain is left plain
-        # alone (drafting for mates shares its steps, so that is the more hopeful plan)
+        # every idle row optimistic at once first: one best_plan for the batch, and a row that does not
+        # pay even then (its mates' drafting would share its steps) is taken not to pay alone either
         hopeful = best_plan(trial, caps, self.cost, behind, remaining, floor=self.floor)
         explored = 0
         for b in idle:
