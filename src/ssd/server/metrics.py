@@ -90,7 +90,8 @@ class ServerMetrics:
                                            "rounds", registry=r)
         self.auto_explorations = Counter("ssd_auto_explorations", "auto: sequence-rounds given one draft token "
                                          "because drafting would pay at an acceptance one standard deviation above "
-                                         "the request's estimate (a plain round measures nothing)", registry=r)
+                                         "the request's estimate, its batch mates at theirs (a plain round measures "
+                                         "nothing)", registry=r)
         self.auto_rows = Counter("ssd_auto_rows", "auto: sequence-rounds by the draft length the chooser picked",
                                  ["num_draft"], registry=r)
         self.auto_predicted = Gauge("ssd_auto_predicted_tokens_per_second", "auto: committed tokens per second "
