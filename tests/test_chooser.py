@@ -676,7 +676,7 @@ def test_the_local_prediction_from_a_worker_line_with_a_tiny_intercept_is_not_ab
 @pytest.mark.parametrize("alone", [True, False])
 def test_a_batch_of_fresh_requests_is_explored_only_where_one_alone_could_pay(monkeypatch, alone):
     """Extra verify rows cost 0.6 of a forward each and the engine has measured 0.85 per token: at batch 4
-    no plan drafts. Four fresh requests (a prior of about seven rounds, 0.97 one deviation up): drafting
+    no plan drafts. Four fresh requests (the engine-wide rate as a prior worth eight rounds, 0.97 one deviation up): drafting
     for one of them at 0.97, its mates at 0.85, does not pay either, so none is explored. The control
     (every plain row optimistic at once, as until the twenty-fifth session) drafts for all four, as auto
     did for every new batch at batch 4 in the equal placement (one such round, catching up lazy drafts,
