@@ -190,6 +190,23 @@ def test_cost_model_and_acceptance_learn_from_observations():
         assert est.value == pytest.approx(true_a, abs=0.08)
 
 
+@pytest.mark.parametrize("control", [False, True])
+def test_draft_rows_fitted_below_the_targets_share_are_priced_at_it(control, monkeypatch):
+    """A draft fit from batch-1 rounds knows step + row only (one row: steps = rows); a row fitted below the
+    target's relative row cost (rho) is priced at that share of the sum: one-row costs are what was fitted,
+    a batch of drafting rows costs more. With the raw split (control) a batch of 4 at acceptance 0.85 drafts
+    where, priced so, plain is faster; batch 1 chooses the same either way."""
+    if control:
+        monkeypatch.setattr(CostModel, "_draft_split", lambda self: list(self.draft._w))
+    m = model(a=1.0, b=0.3, c=0.35, d=0.0, e=0.05)       # target: an extra row 30% of its fixed cost
+    assert m.draft_s([3]) == pytest.approx(1.05)           # one row: the fitted sum, whatever the split
+    expected = 0.35 if control else 0.35 * (1 + 0.3 * 4) / 1.3
+    assert m.draft_s([1] * 4) == pytest.approx(expected)
+    assert model(a=1.0, b=0.3, c=0.3, d=0.15).draft_s([1] * 4) == pytest.approx(0.9)   # measured dearer: kept
+    assert best_plan([0.85], [4], m, [0]) == best_plan([0.85], [4], model(a=1.0, b=0.3, c=0.35, d=0.0, e=0.05), [0]) != [0]
+    assert any(best_plan([0.85] * 4, [4] * 4, m, [0] * 4)) == control
+
+
 def test_would_speculate_follows_the_cost_model_and_the_batch_size():
     """auto prefills its in-process draft with the prompt only when a batch this size would draft."""
     ch = Chooser(k=4)
@@ -683,7 +700,7 @@ def test_a_batch_of_fresh_requests_is_explored_only_where_one_alone_could_pay(mo
     took 1087 ms against 56 for a plain one). A lone fresh request is drafted for either way."""
     monkeypatch.setattr(chooser, "EXPLORE_ALONE", alone)
     ch = Chooser(k=4)
-    ch.cost = model(b=0.6, c=0.336, d=0.066, e=0.02)
+    ch.cost = model(b=0.6, c=0.2, d=0.144, e=0.02)       # a draft row dearer than the target's share
     ch.global_acc = AcceptanceEstimate(0.85, strength=1e6)
     assert best_plan([0.85] * 4, [4] * 4, ch.cost, [1] * 4, [60] * 4) == [0] * 4
     assert ch._acc(1).upper(chooser.EXPLORE_Z) > 0.95
