@@ -400,6 +400,6 @@ def write_json_and_markdown(result: dict, markdown: str, out_dir: str | Path, st
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     j, md = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    j.write_text(json.dumps(_jsonable(result), indent=2) + "\n")
+    j.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
     md.write_text(markdown)
     return [j, md]
