@@ -281,7 +281,8 @@ class CostModel:
         between the two drifts with noise: in runs at batch 4 after batch 1 (equal placement, default
         pair, HumanEval; single-row probes and a few drafted rows) the fitted row went from 0.14 to 0.03
         of a target forward within two batches, where forced rounds of four drafting rows fitted a row at
-        0.36-0.59 of a step (the target's extra row: 0.28-0.40 of its fixed cost, `TargetLine.rho`). A
+        0.23-0.59 of a step at the ends of seven of eight such batches (0.10 at one; the target's extra row:
+        0.28-0.39 of its fixed cost there, `TargetLine.rho`): of the order of rho, so rho is the floor. A
         row below rho times the step is taken as that share of their fitted sum: one row costs what was
         fitted (batch 1 is unchanged), R rows grow with R as the target's forwards do (the same kernels
         on the same cores; extra rows are compute-bound). In one such run this priced all-row K = 1 rounds
