@@ -728,3 +728,53 @@ def test_a_batch_of_fresh_requests_is_explored_only_where_one_alone_could_pay(mo
     assert got == ([0] * 4 if alone else [1] * 4)
     assert ch.explorations == (0 if alone else 4)
     assert ch.plan([5], [4], behind=[1], remaining=[60])[0] > 0
+
+
+def _random_plan_case(rng: random.Random):
+    """A random in-process cost model (a bent target table, a level away from 1, sometimes a catch-up
+    floor or a negative fitted coefficient) and batch."""
+    m = model(a=rng.uniform(0.5, 2.0), b=rng.uniform(0.0, 0.6), c=rng.uniform(-0.05, 0.6),
+              d=rng.uniform(-0.02, 0.2), e=rng.uniform(-0.005, 0.05))
+    for r in rng.sample(range(1, 40), rng.randint(0, 4)):
+        m.target.g[r] = m.target.log_shape(r) + rng.uniform(-0.2, 0.2)
+    m.target._keys = sorted(m.target.g)
+    if rng.random() < 0.3:
+        m.catch_up_floor = rng.uniform(0.0, 0.1)
+    rows = rng.randint(1, 8)
+    acc = [rng.choice([rng.uniform(0.0, 0.999), 0.999]) for _ in range(rows)]
+    caps = [rng.randint(0, 6) for _ in range(rows)]
+    behind = [rng.choice([0, 1, rng.randint(0, 300)]) for _ in range(rows)] if rng.random() < 0.8 else None
+    remaining = [rng.randint(0, 128) for _ in range(rows)] if rng.random() < 0.8 else None
+    return acc, caps, m, behind, remaining
+
+
+def _k1_everywhere_loses(acc, caps, cost, behind=None, remaining=None) -> bool:
+    """A plausible but unsound shortcut (the control): plain when one token for every row does not pay."""
+    one = [min(c, 1) for c in caps]
+    return rate(one, acc, cost, behind, remaining) < rate([0] * len(caps), acc, cost, behind, remaining)
+
+
+@pytest.mark.parametrize("sound", [True, False])
+def test_the_plain_round_shortcut_never_changes_a_plan(monkeypatch, sound):
+    """best_plan skips its search where `plain_is_best` shows that no drafting plan can beat a plain
+    round; over 5000 random cost models and batches it returns the same plan as the full search, and
+    the shortcut is taken in a good share of them (else this checks nothing). Control: a shortcut that
+    takes plain wherever one token for every row loses changes plans."""
+    if not sound:
+        monkeypatch.setattr(chooser, "plain_is_best", _k1_everywhere_loses)
+    rng = random.Random(7)
+    taken = differ = 0
+    for _ in range(5000):
+        acc, caps, m, behind, remaining = _random_plan_case(rng)
+        short = chooser.plain_is_best(acc, caps, m, behind, remaining)
+        fast = best_plan(acc, caps, m, behind, remaining)
+        with monkeypatch.context() as mp:
+            mp.setattr(chooser, "plain_is_best", lambda *a, **k: False)
+            slow = best_plan(acc, caps, m, behind, remaining)
+        taken += short
+        differ += fast != slow
+        if sound:
+            assert fast == slow, (acc, caps, behind, remaining)
+    print(f"shortcut taken {taken} of 5000, plans differ {differ}")
+    assert taken > 500
+    assert (differ == 0) == sound
