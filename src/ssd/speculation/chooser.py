@@ -303,9 +303,13 @@ class CostModel:
             return 0.0
         step, row, catch = self._draft_split()
         t = max(step * steps + row * sum(num_draft) + catch * catch_up, 0.0) * self.level()
-        if catch_up and self.catch_up_floor > 0:
-            t += max(self.catch_up_floor - self.draft_coefficients()[2], 0.0) * catch_up
-        return t
+        return t + self.catch_up_floor_extra() * catch_up
+
+    def catch_up_floor_extra(self) -> float:
+        """What `catch_up_floor` adds to each catch-up token over the fitted price (0 without a floor)."""
+        if self.catch_up_floor <= 0:
+            return 0.0
+        return max(self.catch_up_floor - self.draft._w[2] * self.level(), 0.0)
 
     def time_s(self, num_draft: list[int], catch_up: float = 0.0, acceptance: list[float] | None = None) -> float:
         """Predicted time (in units of the cost model, see UNIT_ROUNDS) of a round with this plan, whose
@@ -434,9 +438,8 @@ def plain_is_best(acceptance: list[float], caps: list[int], cost: CostModel, beh
     if step < 0 or row < 0 or catch < 0:
         return False
     rows, lv = len(caps), cost.level()
-    floor_extra = max(cost.catch_up_floor - cost.draft._w[2] * lv, 0.0) if cost.catch_up_floor > 0 else 0.0
     r = rate([0] * rows, acceptance, cost, behind, remaining) * (1.0 - 1e-9)
-    per_row, per_catch = r * lv * row, r * (lv * catch + floor_extra)
+    per_row, per_catch = r * lv * row, r * (lv * catch + cost.catch_up_floor_extra())
     rem = remaining or [1] * rows
     charged = []
     for b, (a, c) in enumerate(zip(acceptance, caps)):
