@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements-models.txt Makefile
 	touch $(STAMP)
 
 test: kernels
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 demo: kernels
 	$(VENV)/bin/ssd models fetch qwen2.5-coder-1.5b
