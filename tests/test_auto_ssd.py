@@ -439,21 +439,25 @@ def run_stints(policy: RegimePolicy, rates: dict[str, list[float]], guesses: dic
     return out
 
 
-@pytest.mark.parametrize("first_local, rechecked", [
-    (25.0, True),       # 0.77 of the prediction (32.3): re-measured at the first stint end 2 x dwell after it
-    (30.0, False),      # the control, 0.93 of it: not before its probe interval (128 rounds)
+@pytest.mark.parametrize("first_local, batch, rechecked", [
+    (25.0, 4, True),    # 0.77 of the prediction (32.3): re-measured at the first stint end 2 x dwell after it
+    (25.0, 1, True),    # so at batch 1
+    (30.0, 4, True),    # 0.93 of it, from 3 rows up: re-measured too (a stint of plain rounds costs about AR's)
+    (30.0, 1, False),   # the control, 0.93 of it at batch 1: not before its probe interval (128 rounds)
 ])
-def test_one_local_stint_far_below_its_prediction_is_measured_again_soon(first_local, rechecked):
+def test_one_local_stint_far_below_its_prediction_is_measured_again_soon(first_local, batch, rechecked):
     """Paper placement, batch 4, twenty-second session's grid: the local regime's first stint there
     measured 25.0 tok/s against 32.3 predicted (later ones 35-41); as its rate and its calibration (0.77)
     it kept the worker (31-32) serving about 240 rounds while AR ran 1.2x SSD k=2. Re-measured, it measures
-    38 and serves on."""
+    38 and serves on. From 3 rows up one local stint is re-measured whatever it measured against the
+    prediction (AVX2 host, twenty-eighth session: one at 0.91 of a prediction that ran 10-20% low kept the
+    worker ~190 rounds at batch 4, SSD k=2 at 0.80-0.91 of AR)."""
     p, stints = RegimePolicy(dwell=16, probe_every=128, start=LOCAL), {LOCAL: 0, WORKER: 0}
     rates = {LOCAL: [first_local, 38.0], WORKER: [32.0]}
-    seq = run_stints(p, rates, {LOCAL: 32.3, WORKER: 30.0}, 17, 4, stints)
+    seq = run_stints(p, rates, {LOCAL: 32.3, WORKER: 30.0}, 17, batch, stints)
     assert seq[:16] == [LOCAL] * 16 and seq[16] == WORKER
-    assert p.calibration[(LOCAL, 2)] == pytest.approx(first_local / 32.3)
-    seq = run_stints(p, rates, {LOCAL: 33.0, WORKER: 30.0}, 112, 4, stints)
+    assert p.calibration[(LOCAL, bucket(batch))] == pytest.approx(first_local / 32.3)
+    seq = run_stints(p, rates, {LOCAL: 33.0, WORKER: 30.0}, 112, batch, stints)
     assert (LOCAL in seq) == rechecked and p.early == rechecked
     if rechecked:
         assert seq.index(LOCAL) == 47 and seq[-1] == LOCAL     # round 65; measured 38, it stays
@@ -473,6 +477,25 @@ def test_a_doubtful_local_stint_is_measured_again_once_and_not_where_even_its_pr
     seq = run_stints(w, {WORKER: [20.0, 32.0], LOCAL: [30.0]}, {LOCAL: 30.0, WORKER: 30.0}, 128, 4,
                      {LOCAL: 0, WORKER: 0})
     assert seq.count(WORKER) == 16 and w.early == 0
+
+
+@pytest.mark.parametrize("batch, visited", [
+    (4, True),      # from 3 rows up: the local regime's first visit is not skipped on the prediction
+    (8, True),
+    (1, False),     # the control: below that, the prediction outside the margin skips it
+])
+def test_the_local_regimes_first_visit_from_three_rows_up_is_not_pruned(batch, visited):
+    """AVX2 host, paper placement, batch 4 after batch 1 (twenty-eighth session): the worker measured
+    16.9-17.7 tok/s, the worker rounds' fits predicted the local regime at 14.5-15.0 (10-20% low: they
+    price the target as it runs beside the worker's drafting), so its first visit was pruned and it never
+    ran, while AR ran 1.1-1.25x SSD k=2 there. Visited, it measures 20 and stays; a later probe of the
+    worker may still be skipped on its prediction."""
+    p = RegimePolicy(dwell=16, probe_every=128, start=WORKER)
+    seq = run_predicted(p, {WORKER: 17.5, LOCAL: 20.0}, {WORKER: 17.5, LOCAL: 15.0}, 200, batch=batch)
+    assert (LOCAL in seq) == visited
+    assert visited or p.pruned > 0
+    if visited:
+        assert seq[16:32] == [LOCAL] * 16 and seq[-1] == LOCAL and p.rate[(LOCAL, bucket(batch))] == 20.0
 
 
 def test_a_first_visit_waits_for_a_prediction_it_may_then_skip():
@@ -714,6 +737,7 @@ def test_a_prompt_that_arrives_in_a_probe_of_the_worker_is_prefilled_into_the_lo
         return self.current
     monkeypatch.setattr(RegimePolicy, "pick", stay)
     monkeypatch.setattr(Chooser, "would_speculate", lambda self, rows: True)
+    monkeypatch.setattr(Chooser, "paid_prefills", lambda self, rows, feed, remaining: len(feed))
     target, draft = tiny_pair
     llm = LLM(str(target), draft=str(draft), mode="auto", auto_ssd=True, k=3, dtype="float32", progress=False,
               kv_cache_gb=0.05, worker_timeout_s=20)

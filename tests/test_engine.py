@@ -246,6 +246,9 @@ def test_auto_prefills_its_draft_when_a_batch_this_size_would_speculate(tiny_pai
     llm = LLM(str(tiny_pair[0]), draft=str(tiny_pair[0]), mode="auto", k=3, dtype="float32", progress=False)
     asked, behind = [], []
     monkeypatch.setattr(Chooser, "would_speculate", lambda self, rows: asked.append(rows) or eager is True)
+    sizes = []       # the requests' sizes the prefill gate is given (prefill_pays is tested in test_chooser)
+    monkeypatch.setattr(Chooser, "paid_prefills",
+                        lambda self, rows, feed, remaining: sizes.append((feed, remaining)) or len(feed))
     if eager == "stale":
         llm.engine.step_impl.chooser.rounds = STALE_ROUNDS + 1
     real_plan = Chooser.plan
@@ -258,6 +261,7 @@ def test_auto_prefills_its_draft_when_a_batch_this_size_would_speculate(tiny_pai
     assert [o.token_ids for o in outs] == ar_outputs
     assert asked and asked[0] == len(PROMPTS)          # the whole batch the prefill joins
     prompt_lens = [len(llm.encode(p)) for p in PROMPTS]
+    assert sizes == ([(prompt_lens, [GREEDY.max_tokens] * len(PROMPTS))] if eager is True else [])
     if eager == "stale":
         shortest = prompt_lens.index(min(prompt_lens))
         assert behind[0] == [0 if b == shortest else n for b, n in enumerate(prompt_lens)]

@@ -468,6 +468,23 @@ def plain_is_best(acceptance: list[float], caps: list[int], cost: CostModel, beh
 STEP_TIERS = 3
 
 
+def prefill_pays(acceptance: list[float], plan: list[int], cost: CostModel, feed: int, remaining: int) -> bool:
+    """Whether prefilling the in-process draft with a new request's `feed` prompt tokens costs less than
+    drafting by `plan` saves over its `remaining` tokens: the plan's time per committed token of the
+    batch against a plain round's, times those tokens, against the model's price of a token the draft
+    takes in (a catch-up token: the same batched draft forward as a prefill, at least the worker's
+    measured prefill per token where auto_ssd set that floor). A draft left lazy is not lost: the
+    chooser can still catch it up and draft where that pays later. Paper placement, batch 4 on an AVX2
+    host (twenty-ninth session): auto ran 99% plain rounds on MT-Bench after prefilling drafts for 8.6 s
+    of 119 (TTFT 15.9 s against AR's 13.5); a plan of K = 1 at batch 4 saves a few % of 64 tokens' time,
+    a prompt of a few hundred tokens costs the draft about a second on one core."""
+    if remaining <= 0 or not any(plan):
+        return False
+    gain = 1.0 / rate([0] * len(plan), acceptance, cost) - 1.0 / rate(plan, acceptance, cost)
+    price = cost.draft_s([1], catch_up=1.0) - cost.draft_s([1])
+    return gain * remaining >= max(price, 0.0) * feed
+
+
 def best_plan(acceptance: list[float], caps: list[int], cost: CostModel, behind: list[int] | None = None,
               remaining: list[int] | None = None, passes: int = 2, floor: int = 0) -> list[int]:
     """Per-sequence draft lengths (each <= its cap, and >= min(floor, cap)) maximizing the predicted rate
@@ -800,17 +817,31 @@ class Chooser:
         4 on a 2-core AVX2 host (equal placement, HumanEval), where neither the plan nor exploration then
         drafted for any of them (one probe in 250 rounds): 9 draft prefills of 16 prompts for nothing,
         and those batches ran at 0.75-0.82 of AR. At batch 1 the two agree."""
-        if rows < 1:
-            return False
+        return rows >= 1 and any(self._speculation_trial(rows)[1])
+
+    def _speculation_trial(self, rows: int) -> tuple[list[float], list[int]]:
+        """would_speculate's acceptances for a batch of `rows` and the plan the cost model makes for them."""
         v = self.global_acc.value
         a = self.global_acc.upper(self.explore_z) if self.explore_z > 0 else v
         trial = [a] + [v] * (rows - 1) if EXPLORE_ALONE else [a] * rows
-        return any(best_plan(trial, [self.k] * rows, self.cost))
+        return trial, best_plan(trial, [self.k] * rows, self.cost)
 
-    def eager_prefills(self, rows: int, new: int) -> int:
+    def paid_prefills(self, rows: int, feed: list[int], remaining: list[int]) -> int:
+        """Of new requests with these prompt tokens to feed and tokens left, how many the plan of
+        would_speculate repays the draft prefill of (prefill_pays), at most as many as it drafts for
+        (with one request optimistic, one)."""
+        trial, plan = self._speculation_trial(rows)
+        return min(sum(prefill_pays(trial, plan, self.cost, f, r) for f, r in zip(feed, remaining)),
+                   sum(k > 0 for k in plan))
+
+    def eager_prefills(self, rows: int, new: int, feed: list[int] | None = None,
+                       remaining: list[int] | None = None) -> int:
         """How many of `new` arriving requests (in a batch of `rows`) get the in-process draft prefilled
-        with their prompt (auto: as SD does, instead of catching it up in the first decode rounds): all
-        where the batch would draft (would_speculate); one, once in STALE_ROUNDS rounds without drafting,
+        with their prompt (auto: as SD does, instead of catching it up in the first decode rounds): where
+        the batch would draft (would_speculate), those whose prefill the drafting pays for (`feed`: each
+        one's tokens for the draft to take in, `remaining`: each one's tokens left to generate; see
+        prefill_pays), at most as many as that plan drafts for (without `feed`, all); else one, once in
+        STALE_ROUNDS rounds without drafting,
         so the stale probe (`_stale_probe`) has a near draft to measure the estimates that say no with;
         else none. One, not the batch: the probe drafts for one sequence, and at batch 8 (paper placement,
         every round plain) prefilling every new prompt's draft each stretch cost 6-7 s of 50 s per 16
@@ -818,7 +849,9 @@ class Chooser:
         if rows < 1 or new < 1:
             return 0
         if self.would_speculate(rows):
-            return new
+            n = new if feed is None or remaining is None else self.paid_prefills(rows, feed, remaining)
+            if n:
+                return n
         if self.rounds - max(self.drafted_at, self.stale_prefill_at) > STALE_ROUNDS:
             self.stale_prefill_at = self.rounds     # at most one such prefill per STALE_ROUNDS rounds
             return 1

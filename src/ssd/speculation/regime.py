@@ -21,10 +21,12 @@ measured or predicted faster for the requests of the moment) is probed again at 
 the one the other regime's lost probes earned (paper placement, batch 1, `mixed`: the local regime had
 lost a probe, so the interval was 256 rounds; the worker, left for one chat request, then waited those
 256 rounds while SSD k=2 ran about 1.2x the local regime on the code requests that followed).
-A local estimate that rests on one stint measured far below the model's prediction (DOUBTFUL_RATIO) is
-re-measured early too, once, unless even the uncalibrated prediction is clearly slower (`_doubtful`; paper
-placement, batch 4: one local stint at 0.77 of its prediction kept the worker serving ~240 rounds at 0.81
-and 0.91 of AR).
+A local estimate that rests on one stint measured far below the model's prediction (DOUBTFUL_RATIO), or
+from 3 rows up (PROVEN_BUCKET) on one stint at all, is re-measured early too, once, unless even the
+uncalibrated prediction is clearly slower (`_doubtful`; paper placement, batch 4: one local stint at 0.77
+of its prediction kept the worker serving ~240 rounds at 0.81 and 0.91 of AR; on an AVX2 host one at 0.91
+kept it ~190 rounds while SSD k=2 ran 0.80-0.91 of AR). From 3 rows up the local regime's first visit is
+not pruned either (`_plain_first_visit`): a stint of its mostly plain rounds costs about what AR does.
 
 Measured rates are of the requests that ran then: where the model predicts both regimes for the
 requests running now and both have calibrated stints at this bucket (below), a stint end compares the
@@ -66,7 +68,9 @@ CALIBRATION_RANGE = (0.5, 1.5)
 # a local stint measured below this share of its prediction, alone behind the local regime's estimate at its
 # bucket, is measured again soon (see RegimePolicy._doubtful)
 DOUBTFUL_RATIO = 0.85
-# from this batch-size bucket (3-4 rows) up, the worker's idle-time prefills wait for it to win (worker_unproven_at)
+# from this batch-size bucket (3-4 rows) up, the worker's idle-time prefills wait for it to win (worker_unproven_at),
+# and the local regime's first visit and one re-measure are not skipped on a prediction (_plain_first_visit,
+# _doubtful)
 PROVEN_BUCKET = 2
 
 
@@ -169,7 +173,8 @@ class RegimePolicy:
             self.early += promising
             if not better and (missing and self._await_prediction(predict, other) or doubt and not stale):
                 self.deferred += 1
-            elif not better and (missing or stale) and self._predicted_slower(predict, other, mine, b):
+            elif not better and (missing or stale) and not self._plain_first_visit(other, b) and \
+                    self._predicted_slower(predict, other, mine, b):
                 self.pruned += 1
                 if theirs is not None or doubt:  # a probe skipped: as if run and lost (next one later)
                     self.seen[(other, b)] = self.rounds
@@ -200,6 +205,17 @@ class RegimePolicy:
             if w is not None and loc is not None:
                 return w < loc
         return False
+
+    def _plain_first_visit(self, regime: str, b: int) -> bool:
+        """Whether visiting `regime` would be the local regime's first stint at bucket b from 3 rows up
+        (PROVEN_BUCKET): such a visit is not pruned. There a local round is a plain round or close to one,
+        a stint of them costs about what AR does, and where the worker rounds' fits predict the local
+        regime (the paper placement) the prediction ran 10-20% low: those fits price the target's
+        forwards as they run beside the worker's drafting, which a plain local round does not (twenty-
+        eighth session, AVX2 host, batch 4: predicted 14.5-15.0 tok/s against the worker's measured
+        16.9-17.7, the local regime's first visit was pruned and never run; its stints in another run
+        measured 0.94-1.32 of that prediction, and AR ran 1.1-1.25x SSD k=2 there)."""
+        return regime == LOCAL and b >= PROVEN_BUCKET and (LOCAL, b) not in self.rate
 
     def _await_prediction(self, predict, other: str) -> bool:
         """A first visit waits (up to `probe_every` rounds) for the model to predict the other regime, so a
@@ -240,11 +256,20 @@ class RegimePolicy:
         its calibration (0.77, scaling every later prediction of it), kept the worker serving about 240
         rounds at 0.81 and 0.91 of AR. The worker's first stint is not doubted: what it pays at a visit
         (the hand-over prefills; in the equal placement the target on fewer cores) is partly outside the
-        model, and a first stint there at 0.63 of its prediction was the regime, not noise."""
+        model, and a first stint there at 0.63 of its prediction was the regime, not noise.
+
+        From 3 rows up (PROVEN_BUCKET) one local stint is doubted whatever it measured against the
+        prediction: there its rounds are plain rounds or close to them, so a second stint costs about what
+        AR does, and the prediction itself runs low where it comes from the worker rounds' fits (see
+        _plain_first_visit). AVX2 host, paper placement, batch 4 (twenty-eighth session's grid): the local
+        regime's one stint ran 257 ms per 4-row round where AR's took 173-183, 0.91 of a prediction that
+        later stints beat by up to 1.32; the worker then served every stint end for ~190 rounds (its next
+        local probe pruned) while SSD k=2 ran 0.80-0.91 of AR."""
         key = (regime, b)
         one_stint = self.calibrated.get(key) == 1 and self.measured.get(key) == 1
-        if regime != LOCAL or key in self._rechecked or not one_stint or \
-                self.calibration.get(key, 1.0) >= DOUBTFUL_RATIO or predict is None or mine is None:
+        below = b >= PROVEN_BUCKET or self.calibration.get(key, 1.0) < DOUBTFUL_RATIO
+        if regime != LOCAL or key in self._rechecked or not one_stint or not below or predict is None or \
+                mine is None:
             return False
         guess = predict(regime)
         return guess is not None and guess * (1 + self.prune) >= mine

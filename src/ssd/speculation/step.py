@@ -134,7 +134,9 @@ class SpeculativeStep:
                 # a prompt that arrived in a worker probe then ran 100% plain rounds after it, 0.56x SD)
                 # (all of them, or the one with the least to feed where only the chooser's stale probe wants one)
                 back_soon = worker_now and self.regime.probe_rounds_left() is not None
-                n = self.chooser.eager_prefills(max(self.batch_rows(), len(seqs)), len(seqs)) \
+                n = self.chooser.eager_prefills(max(self.batch_rows(), len(seqs)), len(seqs),
+                                                [_draft_to_feed(s) for s in seqs],
+                                                [s.remaining_tokens() for s in seqs]) \
                     if (not worker_now or back_soon) and self.chooser is not None else 0
                 order = sorted(seqs, key=_draft_to_feed) if n < len(seqs) else seqs
                 eager, lazy = order[:n], order[n:]
