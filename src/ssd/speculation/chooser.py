@@ -477,7 +477,9 @@ def prefill_pays(acceptance: list[float], plan: list[int], cost: CostModel, feed
     chooser can still catch it up and draft where that pays later. Paper placement, batch 4 on an AVX2
     host (twenty-ninth session): auto ran 99% plain rounds on MT-Bench after prefilling drafts for 8.6 s
     of 119 (TTFT 15.9 s against AR's 13.5); a plan of K = 1 at batch 4 saves a few % of 64 tokens' time,
-    a prompt of a few hundred tokens costs the draft about a second on one core."""
+    a prompt of a few hundred tokens costs the draft about a second on one core. Applied only there
+    (SpeculativeStep.prefill): in the equal placement at batch 1 it left drafts lazy that SD's prefill
+    repaid (auto 0.85-0.89x SD k=2), so its price or gain is off there."""
     if remaining <= 0 or not any(plan):
         return False
     gain = 1.0 / rate([0] * len(plan), acceptance, cost) - 1.0 / rate(plan, acceptance, cost)

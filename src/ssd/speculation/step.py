@@ -134,9 +134,13 @@ class SpeculativeStep:
                 # a prompt that arrived in a worker probe then ran 100% plain rounds after it, 0.56x SD)
                 # (all of them, or the one with the least to feed where only the chooser's stale probe wants one)
                 back_soon = worker_now and self.regime.probe_rounds_left() is not None
-                n = self.chooser.eager_prefills(max(self.batch_rows(), len(seqs)), len(seqs),
-                                                [_draft_to_feed(s) for s in seqs],
-                                                [s.remaining_tokens() for s in seqs]) \
+                # the prefill gate (Chooser.paid_prefills) only where it was measured to help: the worker on
+                # cores of its own, batches of 3 rows up. In the equal placement at batch 1 it left drafts
+                # lazy that SD's prefill repaid (auto 0.85-0.89x SD k=2 decode, 82-92% plain rounds)
+                rows = max(self.batch_rows(), len(seqs))
+                gate = self.worker_prefills_always and rows >= 3
+                n = self.chooser.eager_prefills(rows, len(seqs), [_draft_to_feed(s) for s in seqs] if gate else None,
+                                                [s.remaining_tokens() for s in seqs] if gate else None) \
                     if (not worker_now or back_soon) and self.chooser is not None else 0
                 order = sorted(seqs, key=_draft_to_feed) if n < len(seqs) else seqs
                 eager, lazy = order[:n], order[n:]
